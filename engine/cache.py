@@ -1,0 +1,186 @@
+"""OffloadCache: the whole engine in one process (catalog + arena + mover).
+
+This is the engine-level API for code that owns both sides (tests, the demo,
+users outside vLLM; the vLLM connector splits the same steps between its
+scheduler and worker processes)::
+
+    cache = OffloadCache.create("my-cache", arena_bytes="8GiB", layout_key=...)
+    result = cache.save({"img-1": t1, "img-2": t2})  # reserve, one pack launch
+    ...                                               # committed once the copy is done
+    hits = cache.load(["img-1", "img-3"])            # pin, one unpack launch
+    hits["img-1"]                                     # tensor on the cache's device
+    cache.close()
+
+Saved items become visible (``ready``) only after their copy has completed:
+``poll`` commits finished saves and unpins finished loads; ``load`` and
+``flush`` poll first. A partially written item is never served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..profiling.nvtx import nvtx_range
+from .allocator import BlockAllocator
+from .arena import DEFAULT_DIR, Arena, RegisterMode
+from .catalog import Catalog, CatalogStats
+from .sizes import parse_bytes
+from .transfer import BlockMover, Completion
+
+DEFAULT_BLOCK_BYTES = 64 << 10
+
+
+@dataclass
+class SaveResult:
+    """What one ``save`` call did with each key."""
+
+    saved: list[str] = field(default_factory=list)
+    already_cached: list[str] = field(default_factory=list)
+    no_room: list[str] = field(default_factory=list)  # arena full of pinned/in-flight items
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype name (e.g. 'bfloat16')")
+    return dtype
+
+
+class OffloadCache:
+    """An arena, its catalog and a mover, in one process."""
+
+    def __init__(self, arena: Arena, device: torch.device | str | None = None) -> None:
+        self.arena = arena
+        self.catalog = Catalog(BlockAllocator(arena.num_blocks, arena.block_bytes))
+        self.mover = BlockMover(arena, device)
+        self.device = self.mover.device
+        self._pending_saves: list[tuple[Completion, list[str]]] = []
+        self._pending_loads: list[tuple[Completion, list[str]]] = []
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        *,
+        arena_bytes: int | str,
+        block_bytes: int | str = DEFAULT_BLOCK_BYTES,
+        layout_key: str | Mapping[str, object] = "",
+        directory: str = DEFAULT_DIR,
+        device: torch.device | str | None = None,
+        register_cuda: RegisterMode = "auto",
+    ) -> OffloadCache:
+        """A new cache over a new arena of (at most) ``arena_bytes`` bytes."""
+        block = parse_bytes(block_bytes, name="block_bytes")
+        total = parse_bytes(arena_bytes, name="arena_bytes")
+        arena = Arena.create(
+            name,
+            block_bytes=block,
+            num_blocks=max(1, total // block),
+            layout_key=layout_key,
+            directory=directory,
+            processes=1,  # nobody else attaches: unlink the name at once
+            register_cuda=register_cuda,
+        )
+        return cls(arena, device)
+
+    def save(self, items: Mapping[str, torch.Tensor]) -> SaveResult:
+        """Reserve blocks for every new key and copy them in one launch.
+
+        Keys already cached (or being saved) are skipped; keys that find no
+        room even after eviction are skipped and reported: an offload cache
+        never fails the caller for lack of space.
+        """
+        with nvtx_range("ecoffload.cache.save"):
+            self.poll()
+            result, sources, tables = SaveResult(), [], []
+            for key, tensor in items.items():
+                if self.catalog.state(key) is not None:
+                    result.already_cached.append(key)
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                with nvtx_range("ecoffload.reserve"):
+                    entry = self.catalog.reserve(
+                        key, nbytes, dtype_name(tensor.dtype), tensor.shape
+                    )
+                if entry is None:
+                    result.no_room.append(key)
+                    continue
+                result.saved.append(key)
+                sources.append(tensor)
+                tables.append(entry.extents)
+            if not sources:
+                return result
+            try:
+                done = self.mover.save(sources, tables)
+            except BaseException:
+                for key in result.saved:
+                    self.catalog.abort(key)
+                raise
+            self._pending_saves.append((done, result.saved))
+            self.poll()
+            return result
+
+    def load(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Tensors of the ready keys among ``keys`` (misses are left out), in one launch."""
+        with nvtx_range("ecoffload.cache.load"):
+            self.poll()
+            entries = [e for e in (self.catalog.lookup(k) for k in keys) if e is not None]
+            if not entries:
+                return {}
+            for entry in entries:
+                self.catalog.pin(entry.key)
+            specs = [(dtype_from_name(e.dtype), e.shape) for e in entries]
+            try:
+                outputs, done = self.mover.load([e.extents for e in entries], specs)
+            except BaseException:
+                for entry in entries:
+                    self.catalog.unpin(entry.key)
+                raise
+            keys_loaded = [e.key for e in entries]
+            self._pending_loads.append((done, keys_loaded))
+            self.poll()
+            return dict(zip(keys_loaded, outputs, strict=True))
+
+    def poll(self) -> None:
+        """Commit saves and unpin loads whose copies have completed."""
+        self._pending_saves = self._finish(self._pending_saves, self.catalog.commit)
+        self._pending_loads = self._finish(self._pending_loads, self.catalog.unpin)
+
+    def flush(self) -> None:
+        """Wait for every copy in flight, then poll."""
+        for done, _ in self._pending_saves + self._pending_loads:
+            done.wait()
+        self.poll()
+
+    def stats(self) -> CatalogStats:
+        return self.catalog.stats()
+
+    def close(self) -> None:
+        """Finish copies in flight, then close the arena (idempotent)."""
+        if not self.arena.closed:
+            self.flush()
+            self.arena.close()
+
+    def __enter__(self) -> OffloadCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _finish(pending: list[tuple[Completion, list[str]]], apply) -> list:
+        still = []
+        for done, keys in pending:
+            if done.done():
+                for key in keys:
+                    apply(key)
+            else:
+                still.append((done, keys))
+        return still

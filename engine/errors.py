@@ -1,0 +1,67 @@
+"""Exception types of the engine.
+
+Every message says what was expected, what was found and what to do about it.
+All inherit from :class:`ECOffloadError`, so callers can catch the family.
+"""
+
+from __future__ import annotations
+
+
+class ECOffloadError(Exception):
+    """Base class of every error ecoffload raises on purpose."""
+
+
+class ConfigError(ECOffloadError, ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+class ArenaError(ECOffloadError):
+    """The shared-memory arena could not be created, attached or used."""
+
+
+class ArenaExistsError(ArenaError, FileExistsError):
+    """`create` found a file already at the arena's path."""
+
+
+class ArenaAttachTimeout(ArenaError, TimeoutError):
+    """`attach` gave up waiting for the creator to publish a valid header."""
+
+
+class ArenaLayoutMismatch(ArenaError):
+    """An existing arena's header disagrees with what this process expects."""
+
+    def __init__(self, path: str, field: str, expected: object, found: object) -> None:
+        self.path, self.field, self.expected, self.found = path, field, expected, found
+        super().__init__(
+            f"arena {path}: header field {field!r} is {found!r}, expected {expected!r}. "
+            "Another model, dtype, block size or ecoffload version created it: use another "
+            "arena name, or stop the processes using it and remove the file."
+        )
+
+
+class CatalogError(ECOffloadError):
+    """A catalog operation was asked of a key in the wrong state."""
+
+
+class InvalidSizeError(CatalogError, ValueError):
+    """A byte size is zero, negative or not an integer."""
+
+
+class ItemTooLargeError(CatalogError, ValueError):
+    """An item needs more blocks than the whole arena has."""
+
+
+class DuplicateItemError(CatalogError, KeyError):
+    """`reserve` was asked for a key that the catalog already holds."""
+
+
+class UnknownItemError(CatalogError, KeyError):
+    """An operation named a key that the catalog does not hold."""
+
+
+class ItemStateError(CatalogError):
+    """An operation is not allowed in the item's current state or pin count."""
+
+
+class TransferError(ECOffloadError, ValueError):
+    """Tensors or block tables handed to a copy are unusable as given."""

@@ -1,0 +1,129 @@
+"""Moving item bytes between tensors and arena blocks, ordered with the caller's stream.
+
+:class:`BlockMover` is the worker-side half of the engine: it knows an arena
+and a device, not the catalog. ``save`` packs a batch into given block tables;
+``load`` unpacks block tables into fresh per-item tensors. On CUDA each runs
+as one kernel launch on a dedicated stream that first waits for the caller's
+stream; the returned :class:`Completion` carries the CUDA event that marks the
+end, and ``load`` makes the caller's stream wait on it, so work the caller
+enqueues next sees the data. On CPU the copies are synchronous.
+
+Paths, chosen once per mover:
+
+* ``kernel``: Triton over the arena's device alias (CUDA) or its host tensor
+  (CPU under ``TRITON_INTERPRET=1``).
+* ``reference``: torch slice copies through the host tensor, when no kernel can
+  run (CPU without the interpreter, or an arena CUDA could not register).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig, empty_items, pack, unpack
+from ..kernels.pack import triton_available
+from ..profiling.nvtx import nvtx_range
+from .arena import Arena
+
+Extents = Sequence[tuple[int, int]]
+
+
+class Completion:
+    """The end of one asynchronous copy; keeps its tensors alive until then."""
+
+    def __init__(self, event: torch.cuda.Event | None, keep_alive: list[torch.Tensor]) -> None:
+        self._event = event
+        self._keep_alive = keep_alive
+
+    def done(self) -> bool:
+        if self._event is not None and not self._event.query():
+            return False
+        self._keep_alive = []
+        return True
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        self._keep_alive = []
+
+
+class BlockMover:
+    """Packs and unpacks batches of items for one arena on one device."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        device: torch.device | str | None = None,
+        *,
+        pack_config: LaunchConfig = PACK_CONFIG,
+        unpack_config: LaunchConfig = UNPACK_CONFIG,
+    ) -> None:
+        self.arena = arena
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if arena.registered else "cpu"
+            )
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.pack_config, self.unpack_config = pack_config, unpack_config
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+            if arena.registered:
+                self._arena_view, self.path = arena.device_view(self.device), "kernel"
+            else:
+                self._arena_view, self.path = arena.host, "reference"
+        else:
+            self.stream = None
+            self._arena_view = arena.host
+            self.path = "kernel" if triton_available(self.device) else "reference"
+
+    def save(self, sources: Sequence[torch.Tensor], tables: Sequence[Extents]) -> Completion:
+        """Copy ``sources`` (on this mover's device) into their blocks; one launch."""
+        with nvtx_range("ecoffload.save"):
+            sources = list(sources)
+            if self.stream is None:
+                self._copy(sources, tables, to_arena=True)
+                return Completion(None, [])
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                self._copy(sources, tables, to_arena=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return Completion(event, sources)
+
+    def load(
+        self, tables: Sequence[Extents], specs: Sequence[tuple[torch.dtype, Sequence[int]]]
+    ) -> tuple[list[torch.Tensor], Completion]:
+        """New tensors of the given (dtype, shape), filled from their blocks; one launch.
+
+        On CUDA the caller's current stream waits for the copy, so kernels it
+        launches next read the loaded data without a host sync.
+        """
+        with nvtx_range("ecoffload.load"):
+            outputs = empty_items(specs, self.device)
+            if self.stream is None:
+                self._copy(outputs, tables, to_arena=False)
+                return outputs, Completion(None, [])
+            caller = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(caller)
+            with torch.cuda.stream(self.stream):
+                self._copy(outputs, tables, to_arena=False)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            caller.wait_event(event)
+            return outputs, Completion(event, [])
+
+    def _copy(
+        self, tensors: list[torch.Tensor], tables: Sequence[Extents], *, to_arena: bool
+    ) -> None:
+        block = self.arena.block_bytes
+        backend = "auto" if self.path == "kernel" else "reference"
+        if to_arena:
+            pack(tensors, tables, self._arena_view, block, config=self.pack_config, backend=backend)
+        else:
+            unpack(
+                self._arena_view, tables, block, tensors, config=self.unpack_config, backend=backend
+            )

@@ -1,0 +1,35 @@
+"""Triton gather/scatter between tensors and fixed-size blocks of an offload arena.
+
+Reusable in any GPU <-> host block offload: this package knows tensors, byte
+counts and block tables only (it never imports the engine or vLLM).
+
+Set ``TRITON_INTERPRET=1`` before importing it to run the same kernels on CPU
+tensors under the Triton interpreter.
+"""
+
+from .pack import (
+    PACK_CONFIG,
+    UNPACK_CONFIG,
+    LaunchConfig,
+    empty_items,
+    pack,
+    triton_available,
+    unpack,
+)
+from .plan import CopyPlan, PlanError, plan_copy
+from .reference import reference_pack, reference_unpack
+
+__all__ = [
+    "PACK_CONFIG",
+    "UNPACK_CONFIG",
+    "CopyPlan",
+    "LaunchConfig",
+    "PlanError",
+    "empty_items",
+    "pack",
+    "plan_copy",
+    "reference_pack",
+    "reference_unpack",
+    "triton_available",
+    "unpack",
+]

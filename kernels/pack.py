@@ -1,0 +1,196 @@
+"""Public pack/unpack: many tensors <-> their blocks of an arena, one launch each way.
+
+``pack(sources, tables, arena, block_bytes)`` writes each source tensor's byte
+stream into the blocks of its table; ``unpack(arena, tables, block_bytes,
+outputs)`` fills each output tensor from its blocks. Only the listed blocks
+(and, for unpack, the outputs) are written; everything else is untouched.
+
+No staging copy: the kernel receives one base tensor (the lowest-addressed
+item) and each item's int64 byte offset from it. That is plain address
+arithmetic in one flat address space (CUDA's unified addressing, or the host
+under the Triton interpreter), never a pointer loaded from memory, so the
+same launch works in both modes and items may live in separate allocations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..profiling.nvtx import nvtx_range
+from .block_copy import _block_copy_kernel, launch_block_copy
+from .plan import Extents, PlanError, plan_copy
+from .reference import byte_view, reference_pack, reference_unpack
+
+Backend = Literal["auto", "triton", "reference"]
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Persistent-grid size. Defaults from the H200 prototype (bench/h200-baseline.md):
+    save 8 programs x 8 warps reached 51 GB/s and slowed concurrent matmuls 7%;
+    load 16 x 4 reached 49 GB/s (8 x 8 only 30). A program per row takes every SM."""
+
+    num_programs: int
+    num_warps: int
+    tile_bytes: int = 16384
+
+
+PACK_CONFIG = LaunchConfig(num_programs=8, num_warps=8)
+UNPACK_CONFIG = LaunchConfig(num_programs=16, num_warps=4)
+ITEM_ALIGN = 256  # byte alignment of each item in buffers this module allocates
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton kernel can run on tensors of ``device``."""
+    interpreting = type(_block_copy_kernel).__name__ == "InterpretedFunction"
+    return device.type == "cpu" if interpreting else device.type == "cuda"
+
+
+def pack(
+    sources: Sequence[torch.Tensor],
+    tables: Sequence[Extents],
+    arena: torch.Tensor,
+    block_bytes: int,
+    *,
+    config: LaunchConfig = PACK_CONFIG,
+    backend: Backend = "auto",
+) -> None:
+    """Copy each source's bytes into its blocks of ``arena``, in one launch.
+
+    Args:
+        sources: contiguous tensors of any dtype and shape, on ``arena``'s device
+            (each is its flat byte stream; zero-size tensors are allowed).
+        tables: per source, extents ``(start_block, count)`` in stream order that
+            cover its bytes exactly (the last block may be partly used).
+        arena: flat uint8 tensor of ``num_blocks * block_bytes`` bytes (on CUDA,
+            typically the device alias of host-registered memory).
+        block_bytes: block size in bytes.
+        backend: "triton", "reference" (torch slice copies), or "auto" (Triton
+            when it can run on this device, else the reference).
+
+    Leaves every block outside ``tables`` untouched. Asynchronous on CUDA (the
+    current stream); ``sources`` must stay alive until the copy completes.
+    """
+    with nvtx_range("ecoffload.pack"):
+        _run(list(sources), tables, arena, block_bytes, config, backend, to_arena=True)
+
+
+def unpack(
+    arena: torch.Tensor,
+    tables: Sequence[Extents],
+    block_bytes: int,
+    outputs: Sequence[torch.Tensor],
+    *,
+    config: LaunchConfig = UNPACK_CONFIG,
+    backend: Backend = "auto",
+) -> None:
+    """Fill each output tensor with the bytes of its blocks of ``arena``, in one launch.
+
+    ``outputs`` are contiguous tensors on ``arena``'s device whose byte sizes are
+    the items' sizes (use :func:`empty_items` for one buffer with per-item views).
+    Only the outputs are written.
+    """
+    with nvtx_range("ecoffload.unpack"):
+        _run(list(outputs), tables, arena, block_bytes, config, backend, to_arena=False)
+
+
+def empty_items(
+    specs: Sequence[tuple[torch.dtype, Sequence[int]]], device: torch.device | str
+) -> list[torch.Tensor]:
+    """Uninitialised tensors of the given (dtype, shape), as views of one buffer.
+
+    Each item starts at a multiple of 256 bytes, so :func:`unpack` writes all
+    of them in place with full-width accesses.
+    """
+    sizes = [
+        torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for dt, shape in specs
+    ]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // ITEM_ALIGN) * ITEM_ALIGN
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    return [
+        buffer[o : o + n].view(dt).view(tuple(shape))
+        for o, n, (dt, shape) in zip(offsets, sizes, specs, strict=True)
+    ]
+
+
+def _run(
+    tensors: list[torch.Tensor],
+    tables: Sequence[Extents],
+    arena: torch.Tensor,
+    block_bytes: int,
+    config: LaunchConfig,
+    backend: Backend,
+    *,
+    to_arena: bool,
+) -> None:
+    if len(tables) != len(tensors):
+        raise PlanError(
+            f"expected one block table per tensor, got {len(tables)} for {len(tensors)}"
+        )
+    if arena.dtype != torch.uint8 or arena.dim() != 1:
+        raise PlanError(
+            f"arena must be a flat uint8 tensor, got {arena.dtype} {tuple(arena.shape)}"
+        )
+    if backend == "auto":
+        backend = "triton" if triton_available(arena.device) else "reference"
+    if backend not in ("triton", "reference"):
+        raise PlanError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    base, offsets, span = _item_layout(tensors)
+    nbytes = [t.nbytes for t in tensors]
+    base_ptr = base.data_ptr() if base is not None else 0
+    plan = plan_copy(
+        offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
+        items_bytes=span, tile_bytes=config.tile_bytes,
+        base_alignment=_alignment(base_ptr) & _alignment(arena.data_ptr()),
+    )  # fmt: skip
+    if backend == "reference":
+        if to_arena:
+            reference_pack(tensors, tables, arena, block_bytes)
+        else:
+            reference_unpack(arena, tables, block_bytes, tensors)
+        return
+    if not triton_available(arena.device):
+        raise PlanError(
+            f"the Triton kernel cannot run on {arena.device} here (CUDA needed, or "
+            "TRITON_INTERPRET=1 set before importing ecoffload for CPU tensors); "
+            "use backend='reference'"
+        )
+    for i, t in enumerate(tensors):
+        if t.device != arena.device:
+            raise PlanError(
+                f"tensor {i} is on {t.device}, expected the arena's device {arena.device}"
+            )
+    if base is not None:
+        launch_block_copy(base, arena, plan, to_arena=to_arena,
+                          num_programs=config.num_programs, num_warps=config.num_warps)  # fmt: skip
+
+
+def _item_layout(tensors: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[int], int]:
+    """(base, offsets, span): the lowest-addressed non-empty item as a flat uint8
+    tensor, each item's byte offset from it, and the bytes from base to the end
+    of the highest item."""
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():
+            raise PlanError(
+                f"tensor {i} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
+                "call .contiguous() first"
+            )
+    nonempty = [t for t in tensors if t.nbytes]
+    if not nonempty:
+        return None, [0] * len(tensors), 0
+    lowest = min(nonempty, key=torch.Tensor.data_ptr)
+    start = lowest.data_ptr()
+    offsets = [t.data_ptr() - start if t.nbytes else 0 for t in tensors]
+    span = max(o + t.nbytes for o, t in zip(offsets, tensors, strict=True))
+    return byte_view(lowest), offsets, span
+
+
+def _alignment(address: int) -> int:
+    return (address & -address) if address else 1 << 20

@@ -1,0 +1,1 @@
+"""NVTX ranges, benchmarks, plots and the demo."""

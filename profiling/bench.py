@@ -1,0 +1,557 @@
+"""Side-by-side transfer benchmark: ecoffload against the anchors, same process, same data.
+
+    python -m ecoffload.profiling.bench [--out DIR] [--quick]
+
+One step is 16 encoder outputs of 256-2048 rows (19,041 rows) x hidden 4096 bf16,
+156 MB, moved between GPU tensors and the arena. Rows of the table:
+
+* limit: one pinned contiguous copy of 512 MB each way (the PCIe ceiling).
+* seed-style: save = one ``copy_`` per token-row block; load = CPU
+  advanced-index gather, then a pageable ``.to(cuda)``.
+* batched copy engine: one ``cuMemcpyBatchAsync`` per step (vLLM's current
+  CPU offload), token-row (8 KiB) blocks and 64 KiB blocks.
+* DMA per item: one ``copy_`` per item into a contiguous arena slice.
+* ecoffload: one Triton launch per step (``BlockMover``), contiguous and
+  shuffled tables, 64 KiB and token-row blocks; sources as separate tensors
+  (staged) and as views of one step buffer.
+* one item of 256 rows: call to completion, Python included.
+* CPU time to launch a 16-item step.
+* interference: three concurrent 8192^3 bf16 matmuls, slowdown vs alone.
+* program-count sweep of the kernel (what the defaults rest on).
+
+Without CUDA the same table runs at small sizes through the CPU paths and is
+labelled CPU: those figures say nothing about PCIe. Writes ``bench.json``
+and ``bench.png`` (if matplotlib is installed) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..engine.arena import Arena
+from ..engine.sizes import format_bytes
+from ..engine.transfer import BlockMover
+from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
+
+STEP_ROWS = [
+    256,
+    2048,
+    1024,
+    512,
+    1536,
+    768,
+    2048,
+    1280,
+    640,
+    1792,
+    896,
+    1152,
+    2048,
+    1024,
+    1201,
+    816,
+]
+HIDDEN, DTYPE = 4096, torch.bfloat16
+TOKEN_BLOCK = HIDDEN * 2  # one token row of bf16: the seed's block
+BIG_BLOCK = 64 << 10
+
+
+@dataclass
+class Row:
+    group: str
+    name: str
+    direction: str  # save (GPU -> arena), load (arena -> GPU), or "-"
+    nbytes: int
+    ms: float | None = None
+    gbps: float | None = None
+    extra: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+class Bench:
+    def __init__(self, device: torch.device, quick: bool, arena_dir: str | None) -> None:
+        self.device, self.quick = device, quick
+        self.cuda = device.type == "cuda"
+        self.rows: list[Row] = []
+        scale = 1 if self.cuda else 16
+        self.hidden = HIDDEN if self.cuda else HIDDEN // 8
+        self.row_bytes = self.hidden * 2
+        self.step_rows = [max(1, r // scale) for r in STEP_ROWS]
+        self.step_bytes = sum(self.step_rows) * self.row_bytes
+        self.limit_bytes = (512 << 20) if self.cuda else (32 << 20)
+        arena_bytes = max(self.limit_bytes, 2 * self.step_bytes) + (64 << 20)
+        # Arena in 8 KiB units: a 64 KiB block is 8 consecutive units, so every
+        # table layout below runs on the same arena.
+        self.unit = 8192
+        self.arena = _make_arena(arena_bytes // self.unit, self.unit, arena_dir)
+        self.mover = BlockMover(self.arena, device)
+        gen = torch.Generator().manual_seed(0)
+        self.items = [
+            torch.randn(r, self.hidden, generator=gen).to(DTYPE).to(device) for r in self.step_rows
+        ]
+        self.item_bytes = [t.numel() * 2 for t in self.items]
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+        self.reps = 3 if quick else 7
+
+    # timing ------------------------------------------------------------------
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, fn: Callable[[], object], reps: int | None = None, warmup: int = 1) -> float:
+        """Median wall time in ms from call to completion (synchronized)."""
+        for _ in range(warmup):
+            fn()
+            self.sync()
+        times = []
+        for _ in range(reps or self.reps):
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def add(self, group, name, direction, nbytes, fn, *, reps=None, check=None, **extra) -> Row:
+        row = Row(group, name, direction, nbytes, extra=extra)
+        try:
+            row.ms = self.timed(fn, reps)
+            row.gbps = nbytes / row.ms / 1e6
+            if check is not None:
+                check()
+        except Exception as exc:  # one broken anchor must not hide the others
+            row.error = f"{type(exc).__name__}: {exc}"[:300]
+        self.rows.append(row)
+        status = row.error or f"{row.ms:9.3f} ms {row.gbps:7.2f} GB/s"
+        print(f"  {group:<22} {name:<46} {direction:<5} {status}", flush=True)
+        return row
+
+    # table layouts -------------------------------------------------------------
+
+    def tables(self, block: int, shuffle: bool, seed: int = 0) -> list[list[tuple[int, int]]]:
+        """Block tables in arena units: each item cut into ``block``-byte blocks."""
+        per = block // self.unit
+        needs = [-(-n // block) for n in self.item_bytes]
+        blocks = list(range(sum(needs)))
+        if shuffle:
+            random.Random(seed).shuffle(blocks)
+        tables, at = [], 0
+        for need in needs:
+            mine, at = blocks[at : at + need], at + need
+            table: list[tuple[int, int]] = []
+            for b in mine:
+                if table and table[-1][0] + table[-1][1] == b * per:
+                    table[-1] = (table[-1][0], table[-1][1] + per)
+                else:
+                    table.append((b * per, per))
+            tables.append(table)
+        return tables
+
+    def host_rows(self, block: int) -> torch.Tensor:
+        return self.arena.host[: (self.arena.nbytes // block) * block].view(-1, block)
+
+    # the suites -----------------------------------------------------------------
+
+    def run(self) -> None:
+        print(f"\n{'CUDA' if self.cuda else 'CPU (small sizes; says nothing about PCIe)'} "
+              f"step: {len(self.items)} items, {sum(self.step_rows)} rows x {self.hidden} bf16, "
+              f"{format_bytes(self.step_bytes)}; arena {self.arena}\n")  # fmt: skip
+        self.limits()
+        self.seed_style()
+        if self.cuda:
+            self.batched_copy_engine()
+        self.dma_per_item()
+        self.ecoffload()
+        self.small_item()
+        self.launch_cpu_time()
+        if self.cuda:
+            self.interference()
+            if not self.quick:
+                self.program_sweep()
+
+    def limits(self) -> None:
+        n = self.limit_bytes
+        host = self.arena.host[:n]
+        if self.cuda:
+            gpu = torch.empty(n, dtype=torch.uint8, device=self.device)
+            self.add("limit", "pinned, one 512 MB copy", "save", n,
+                     lambda: host.copy_(gpu, non_blocking=True))  # fmt: skip
+            self.add("limit", "pinned, one 512 MB copy", "load", n,
+                     lambda: gpu.copy_(host, non_blocking=True))  # fmt: skip
+        else:
+            other = torch.empty(n, dtype=torch.uint8)
+            self.add("limit", f"memcpy, one {format_bytes(n)} copy", "save", n,
+                     lambda: host.copy_(other))  # fmt: skip
+
+    def seed_style(self) -> None:
+        rows = self.host_rows(self.row_bytes)
+        ids = list(range(sum(self.step_rows)))
+        random.Random(1).shuffle(ids)  # a per-row free list after some churn
+        per_item, at = [], 0
+        for t in self.items:
+            per_item.append(ids[at : at + t.shape[0]])
+            at += t.shape[0]
+        item_rows = [t.view(torch.uint8).view(t.shape[0], -1) for t in self.items]
+
+        def save():
+            ctx = torch.cuda.stream(self.side) if self.cuda else _null()
+            with ctx:
+                for src, blocks in zip(item_rows, per_item, strict=True):
+                    for r, b in enumerate(blocks):
+                        rows[b].copy_(src[r], non_blocking=True)
+
+        index = torch.tensor(ids[: sum(self.step_rows)])
+
+        def load():
+            gathered = rows[index]  # CPU advanced-index gather into pageable memory
+            return gathered.to(self.device)
+
+        self.add("seed-style", "one copy_ per token-row block", "save", self.step_bytes, save,
+                 reps=3)  # fmt: skip
+        self.add("seed-style", "CPU gather + pageable .to(device)", "load", self.step_bytes, load,
+                 reps=3)  # fmt: skip
+
+    def batched_copy_engine(self) -> None:
+        from .batched_copy import BatchedCopy
+
+        try:
+            copier = BatchedCopy(self.device)
+        except Exception as exc:
+            for name in ("token-row blocks", "64 KiB blocks"):
+                for d in ("save", "load"):
+                    self.rows.append(Row("batched copy engine", name, d, self.step_bytes,
+                                         error=f"unavailable: {exc}"))  # fmt: skip
+            print(f"  batched copy engine unavailable: {exc}")
+            return
+        base = self.arena.host.data_ptr()
+        for label, block in (("token-row blocks", self.row_bytes), ("64 KiB blocks", BIG_BLOCK)):
+            tables = self.tables(max(block, self.unit), shuffle=True, seed=2)
+            if block < self.unit:
+                continue
+            gpu, host, sizes = [], [], []
+            for t, table, n in zip(self.items, tables, self.item_bytes, strict=True):
+                pos = 0
+                for start, count in table:
+                    for k in range(count * self.unit // block):
+                        size = min(block, n - pos)
+                        if size <= 0:
+                            break
+                        gpu.append(t.data_ptr() + pos)
+                        host.append(base + (start * self.unit) + k * block)
+                        sizes.append(size)
+                        pos += size
+            cpu_ms: list[float] = []
+
+            def call(dsts, srcs, to_host, sizes=sizes, cpu_ms=cpu_ms):
+                t0 = time.perf_counter()
+                copier(dsts, srcs, sizes, to_host=to_host, stream=self.side)
+                cpu_ms.append((time.perf_counter() - t0) * 1e3)
+
+            self.add("batched copy engine", label, "save", self.step_bytes,
+                     lambda h=host, g=gpu: call(h, g, True), copies=len(sizes))  # fmt: skip
+            self.rows[-1].extra["cpu_ms_of_call"] = statistics.median(cpu_ms) if cpu_ms else None
+            cpu_ms.clear()
+            self.add("batched copy engine", label, "load", self.step_bytes,
+                     lambda h=host, g=gpu: call(g, h, False), copies=len(sizes))  # fmt: skip
+            self.rows[-1].extra["cpu_ms_of_call"] = statistics.median(cpu_ms) if cpu_ms else None
+
+    def dma_per_item(self) -> None:
+        offsets = [0]
+        for n in self.item_bytes[:-1]:
+            offsets.append(offsets[-1] + -(-n // self.unit) * self.unit)
+        flat = [t.view(-1).view(torch.uint8) for t in self.items]
+        host = self.arena.host
+
+        def save():
+            with torch.cuda.stream(self.side) if self.cuda else _null():
+                for f, o in zip(flat, offsets, strict=True):
+                    host[o : o + f.numel()].copy_(f, non_blocking=True)
+
+        def load():
+            with torch.cuda.stream(self.side) if self.cuda else _null():
+                for f, o in zip(flat, offsets, strict=True):
+                    f.copy_(host[o : o + f.numel()], non_blocking=True)
+
+        self.add(
+            "DMA per item", "one copy_ per item, contiguous slices", "save", self.step_bytes, save
+        )
+        self.add(
+            "DMA per item", "one copy_ per item, contiguous slices", "load", self.step_bytes, load
+        )
+
+    def ecoffload(self) -> None:
+        step_buffer = torch.cat([t.view(-1) for t in self.items])
+        views, at = [], 0
+        for t in self.items:
+            views.append(step_buffer[at : at + t.numel()].view(t.shape))
+            at += t.numel()
+        specs = [(t.dtype, tuple(t.shape)) for t in self.items]
+        layouts = [
+            ("contiguous", BIG_BLOCK, False),
+            ("shuffled 64 KiB blocks", BIG_BLOCK, True),
+            ("shuffled token-row blocks", self.row_bytes, True),
+        ]
+        for label, block, shuffle in layouts:
+            if block % self.unit:
+                continue
+            tables = self.tables(block, shuffle, seed=3)
+            for srcs, how in ((self.items, "separate tensors"), (views, "views of one buffer")):
+                if how == "views of one buffer" and label != "shuffled token-row blocks":
+                    continue
+                self.add("ecoffload", f"{label}, {how}", "save", self.step_bytes,
+                         lambda s=srcs, tb=tables: self.mover.save(s, tb),
+                         check=lambda tb=tables: self.check_round_trip(tb),
+                         programs=PACK_CONFIG.num_programs)  # fmt: skip
+            self.add("ecoffload", f"{label}", "load", self.step_bytes,
+                     lambda tb=tables: self.mover.load(tb, specs),
+                     programs=UNPACK_CONFIG.num_programs)  # fmt: skip
+
+    def check_round_trip(self, tables) -> None:
+        outputs, done = self.mover.load(tables, [(t.dtype, tuple(t.shape)) for t in self.items])
+        done.wait()
+        self.sync()
+        for out, src in zip(outputs, self.items, strict=True):
+            if not torch.equal(out.view(torch.uint8), src.view(torch.uint8)):
+                raise AssertionError("round trip is not bit-exact")
+
+    def small_item(self) -> None:
+        rows = 256 if self.cuda else 16
+        item = self.items[0][:rows].contiguous()
+        n = item.numel() * 2
+        table = [[(0, -(-n // self.unit))]]
+        spec = [(item.dtype, tuple(item.shape))]
+        self.add("one item", f"{rows} rows, ecoffload save", "save", n,
+                 lambda: self.mover.save([item], table).wait(), reps=30)  # fmt: skip
+        self.add("one item", f"{rows} rows, ecoffload load", "load", n,
+                 lambda: self.mover.load(table, spec)[1].wait(), reps=30)  # fmt: skip
+        host = self.arena.host[:n]
+        self.add("one item", f"{rows} rows, one copy_ (DMA)", "save", n,
+                 lambda: host.copy_(item.view(-1).view(torch.uint8), non_blocking=True),
+                 reps=30)  # fmt: skip
+
+    def launch_cpu_time(self) -> None:
+        tables = self.tables(BIG_BLOCK, shuffle=True, seed=4)
+        times = []
+        for i in range(5 + (30 if self.cuda else 5)):
+            self.sync()
+            t0 = time.perf_counter()
+            self.mover.save(self.items, tables)
+            dt = (time.perf_counter() - t0) * 1e6
+            if i >= 5:
+                times.append(dt)
+        self.sync()
+        us = statistics.median(times)
+        self.rows.append(Row("launch", "CPU time of a 16-item save call", "-", 0,
+                             ms=us / 1e3, extra={"cpu_us": us}))  # fmt: skip
+        print(f"  {'launch':<22} {'CPU time of a 16-item save call':<46} {'-':<5} {us:9.1f} us")
+
+    def interference(self) -> None:
+        n = 8192
+        a = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        outs = [torch.empty(n, n, device=self.device, dtype=torch.bfloat16) for _ in range(3)]
+
+        def matmuls():
+            for o in outs:
+                torch.matmul(a, b, out=o)
+
+        # 16,384 rows x 8 KiB in shuffled token-row blocks, as in the baseline.
+        rows = 16384 * TOKEN_BLOCK // self.row_bytes
+        src = torch.randn(rows, self.hidden, device=self.device).to(DTYPE)
+        nblocks = src.numel() * 2 // self.unit
+        order = list(range(nblocks))
+        random.Random(5).shuffle(order)
+        table = [[(b, 1) for b in order]]
+        host = self.arena.host[: src.numel() * 2]
+        matmul_ms = self.timed(matmuls)
+        variants = [
+            ("ecoffload save, default programs", lambda: self.mover.save([src], table), None),
+            ("ecoffload save, 16 programs x 4 warps",
+             lambda: self._mover(LaunchConfig(16, 4)).save([src], table), None),
+            ("DMA, one contiguous copy_", lambda: _on(self.side, lambda: host.copy_(
+                src.view(-1).view(torch.uint8), non_blocking=True)), None),
+        ]  # fmt: skip
+        for name, save, _ in variants:
+            row = Row("interference", name, "save", src.numel() * 2)
+            try:
+                alone = self.timed(save)
+                both = self.timed(lambda save=save: (save(), matmuls()))
+                row.ms, row.gbps = alone, row.nbytes / alone / 1e6
+                row.extra = {"matmul_ms": matmul_ms, "both_ms": both,
+                             "slowdown": both / max(alone, matmul_ms)}  # fmt: skip
+                status = (f"{alone:9.3f} ms {row.gbps:7.2f} GB/s  matmuls {matmul_ms:.3f} ms, "
+                          f"both {both:.3f} ms, slowdown {row.extra['slowdown']:.3f}")  # fmt: skip
+            except Exception as exc:
+                row.error = f"{type(exc).__name__}: {exc}"[:300]
+                status = row.error
+            self.rows.append(row)
+            print(f"  {'interference':<22} {name:<46} {'save':<5} {status}", flush=True)
+
+    def _mover(self, config: LaunchConfig) -> BlockMover:
+        return BlockMover(self.arena, self.device, pack_config=config, unpack_config=config)
+
+    def program_sweep(self) -> None:
+        tables = self.tables(self.row_bytes, shuffle=True, seed=6)
+        specs = [(t.dtype, tuple(t.shape)) for t in self.items]
+        for programs in (4, 8, 16, 32, 132):
+            for warps in (4, 8):
+                mover = self._mover(LaunchConfig(programs, warps))
+                self.add("sweep", f"{programs} programs x {warps} warps", "save", self.step_bytes,
+                         lambda m=mover: m.save(self.items, tables), reps=3)  # fmt: skip
+                self.add("sweep", f"{programs} programs x {warps} warps", "load", self.step_bytes,
+                         lambda m=mover: m.load(tables, specs), reps=3)  # fmt: skip
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _on(stream, fn):
+    with torch.cuda.stream(stream):
+        fn()
+
+
+def _make_arena(num_blocks: int, block: int, arena_dir: str | None) -> Arena:
+    name = f"ecoffload-bench-{os.getpid()}"
+    dirs = [arena_dir] if arena_dir else ["/dev/shm", tempfile.gettempdir()]
+    last: Exception | None = None
+    for d in dirs:
+        try:
+            return Arena.create(name, block_bytes=block, num_blocks=num_blocks, directory=d,
+                                processes=1)  # fmt: skip
+        except Exception as exc:  # e.g. a small /dev/shm in a container
+            print(f"arena in {d} failed ({exc}); trying the next directory")
+            last = exc
+    raise SystemExit(f"could not create the benchmark arena: {last}")
+
+
+def summarize(rows: list[Row], cuda: bool) -> str:
+    """The results table with ratios to the limit and to the seed-style path."""
+    limit = {r.direction: r.gbps for r in rows if r.group == "limit" and r.gbps}
+    limit.setdefault("load", limit.get("save"))
+    seed = {r.direction: r.gbps for r in rows if r.group == "seed-style" and r.gbps}
+    head = "CUDA" if cuda else "CPU figures (small sizes; not PCIe)"
+    lines = [f"## {head}", "",
+             "| group | variant | dir | MB | ms | GB/s | x limit | x seed | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.group} | {r.name} | {r.direction} | | | | | | {r.error} |")
+            continue
+        if r.group == "launch":
+            lines.append(f"| {r.group} | {r.name} | - | | | | | | {r.extra['cpu_us']:.1f} us |")
+            continue
+        lim, sd = limit.get(r.direction), seed.get(r.direction)
+        notes = ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.extra.items()
+        )
+        lines.append(
+            f"| {r.group} | {r.name} | {r.direction} | {r.nbytes / 1e6:.1f} | {r.ms:.3f} | "
+            f"{r.gbps:.2f} | {r.gbps / lim:.2f} | {r.gbps / sd:.1f} | {notes} |"
+            if lim and sd
+            else f"| {r.group} | {r.name} | {r.direction} | {r.nbytes / 1e6:.1f} | {r.ms:.3f} | "
+            f"{r.gbps:.2f} | | | {notes} |"
+        )
+    return "\n".join(lines)
+
+
+def environment(device: torch.device) -> dict:
+    import triton
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": str(device),
+        "interpreter": os.environ.get("TRITON_INTERPRET", "0"),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        try:
+            import cupy
+
+            env["cupy"] = cupy.__version__
+            env["driver"] = cupy.cuda.runtime.driverGetVersion()
+        except Exception:
+            pass
+    return env
+
+
+def plot(rows: list[Row], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shown = [r for r in rows if r.gbps and r.group not in ("launch", "sweep")]
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(shown) + 1.5))
+    labels = [f"{r.group}: {r.name} [{r.direction}]" for r in shown]
+    colors = ["tab:green" if r.group == "ecoffload" else "tab:gray" for r in shown]
+    ax.barh(range(len(shown)), [r.gbps for r in shown], color=colors)
+    ax.set_yticks(range(len(shown)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s")
+    ax.set_title("ecoffload transfer benchmark (same process, same data)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", default="bench-out", help="folder for bench.json / bench.png / bench.md"
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, no program sweep")
+    parser.add_argument(
+        "--arena-dir", default=None, help="arena directory (default /dev/shm, else tmp)"
+    )
+    parser.add_argument(
+        "--device", default=None, help="cuda[:N] or cpu (default: cuda if available)"
+    )
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    os.makedirs(args.out, exist_ok=True)
+    bench = Bench(device, args.quick, args.arena_dir)
+    try:
+        bench.run()
+    finally:
+        bench.arena.close()
+    table = summarize(bench.rows, bench.cuda)
+    print("\n" + table)
+    env = environment(device)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"environment": env, "rows": [asdict(r) for r in bench.rows]}, f, indent=1)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(f"{json.dumps(env)}\n\n{table}\n")
+    if plot(bench.rows, os.path.join(args.out, "bench.png")):
+        print(f"\nwrote {args.out}/bench.json, bench.md, bench.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

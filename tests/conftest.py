@@ -1,0 +1,37 @@
+"""Test set-up: the Triton interpreter for CPU runs, temporary arena directories.
+
+TRITON_INTERPRET must be set before any kernel module is imported, so it is
+set here, at collection time. It is left alone when CUDA is available, so
+`pytest -m gpu` compiles the real kernels.
+"""
+
+import os
+
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - torch is a hard dependency
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not _HAS_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def arena_dir(tmp_path):
+    """A private directory for arena files; checked empty afterwards (nothing leaked)."""
+    d = tmp_path / "arenas"
+    d.mkdir()
+    yield str(d)
+    left = os.listdir(d)
+    assert not left, f"arena files leaked: {left}"

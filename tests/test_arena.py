@@ -1,0 +1,230 @@
+import logging
+import multiprocessing as mp
+import os
+import stat
+import struct
+
+import pytest
+import torch
+
+from ecoffload.engine import arena as arena_mod
+from ecoffload.engine.arena import HEADER_BYTES, Arena
+from ecoffload.engine.errors import (
+    ArenaAttachTimeout,
+    ArenaError,
+    ArenaExistsError,
+    ArenaLayoutMismatch,
+)
+
+B = 4096
+KEY = {"model": "tiny", "dtype": "bfloat16", "hidden": 128}
+
+
+def create(arena_dir, name="a", **kw):
+    kw.setdefault("block_bytes", B)
+    kw.setdefault("num_blocks", 16)
+    kw.setdefault("layout_key", KEY)
+    return Arena.create(name, directory=arena_dir, **kw)
+
+
+def test_create_file_mode_size_and_header(arena_dir):
+    with create(arena_dir) as a:
+        st = os.stat(a.path)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_size == HEADER_BYTES + 16 * B
+        assert a.host.numel() == 16 * B and a.host.dtype == torch.uint8
+        assert a.host.data_ptr() % 4096 == 0  # data area is page aligned
+        assert a.layout_key == '{"dtype":"bfloat16","hidden":128,"model":"tiny"}'
+        assert a.device is None and not a.registered
+    assert not os.path.exists(a.path)  # creator's close unlinks
+
+
+def test_create_refuses_existing_file(arena_dir):
+    with create(arena_dir), pytest.raises(ArenaExistsError, match="already exists"):
+        create(arena_dir)
+
+
+def test_attach_sees_creator_bytes(arena_dir):
+    with create(arena_dir) as a, Arena.attach("a", directory=arena_dir, layout_key=KEY) as b:
+        a.host[100:108] = torch.arange(8, dtype=torch.uint8)
+        assert b.host[100:108].tolist() == list(range(8))
+        assert (b.block_bytes, b.num_blocks, b.created) == (B, 16, False)
+        assert b.attached_processes() == 2
+
+
+@pytest.mark.parametrize(
+    "expect,field",
+    [
+        ({"block_bytes": 2 * B}, "block_bytes"),
+        ({"num_blocks": 17}, "num_blocks"),
+        ({"layout_key": {**KEY, "hidden": 4096}}, "layout_key"),
+    ],
+)
+def test_attach_mismatch_names_field_expected_and_found(arena_dir, expect, field):
+    with create(arena_dir), pytest.raises(ArenaLayoutMismatch) as err:
+        Arena.attach("a", directory=arena_dir, timeout_s=0.2, **expect)
+    assert err.value.field == field
+    assert repr(err.value.expected) in str(err.value) or str(err.value.expected) in str(err.value)
+
+
+def test_attach_rejects_other_format(arena_dir):
+    path = os.path.join(arena_dir, "a")
+    with open(path, "wb") as f:
+        f.write(b"NOTOURS!" + bytes(2 * HEADER_BYTES))
+    os.chmod(path, 0o600)
+    try:
+        with pytest.raises(ArenaLayoutMismatch, match="'magic'"):
+            Arena.attach("a", directory=arena_dir, timeout_s=0.2)
+    finally:
+        os.unlink(path)
+
+
+def test_attach_rejects_other_version(arena_dir):
+    with create(arena_dir) as a:
+        struct.pack_into("<I", a._mm, 8, 99)
+        with pytest.raises(ArenaLayoutMismatch, match="format_version"):
+            Arena.attach("a", directory=arena_dir, timeout_s=0.2)
+
+
+def test_attach_times_out_on_missing_or_unfinished_arena(arena_dir):
+    with pytest.raises(ArenaAttachTimeout, match="does not exist"):
+        Arena.attach("missing", directory=arena_dir, timeout_s=0.1)
+    path = os.path.join(arena_dir, "half")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, HEADER_BYTES + B)  # sized, header not yet written
+    try:
+        with pytest.raises(ArenaAttachTimeout, match="header is not written"):
+            Arena.attach("half", directory=arena_dir, timeout_s=0.1)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_attach_refuses_symlink_and_wide_permissions(arena_dir, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_bytes(bytes(HEADER_BYTES))
+    os.symlink(target, os.path.join(arena_dir, "link"))
+    try:
+        with pytest.raises(ArenaError, match="symbolic link"):
+            Arena.attach("link", directory=arena_dir, timeout_s=0.1)
+    finally:
+        os.unlink(os.path.join(arena_dir, "link"))
+    with create(arena_dir) as a:
+        os.chmod(a.path, 0o644)
+        with pytest.raises(ArenaError, match="mode 644, expected 600"):
+            Arena.attach("a", directory=arena_dir, timeout_s=0.1)
+
+
+@pytest.mark.parametrize("name", ["", "../x", "a/b", ".hidden", "a..b", "x" * 201])
+def test_bad_names_are_refused(arena_dir, name):
+    with pytest.raises(ArenaError, match="not allowed"):
+        create(arena_dir, name=name)
+
+
+def test_name_unlinked_once_expected_processes_attached(arena_dir):
+    with create(arena_dir, processes=3) as a, Arena.attach("a", directory=arena_dir):
+        assert os.path.exists(a.path)
+        with Arena.attach("a", directory=arena_dir) as c:
+            assert not os.path.exists(a.path)  # third process: name gone, mapping stays
+            c.host[0] = 7
+            assert a.host[0].item() == 7
+
+
+def test_single_process_arena_is_unlinked_at_once(arena_dir):
+    with create(arena_dir, processes=1) as a:
+        assert not os.path.exists(a.path)
+        a.host.fill_(1)
+
+
+def test_attacher_close_never_unlinks(arena_dir):
+    with create(arena_dir) as a:
+        Arena.attach("a", directory=arena_dir).close()
+        assert os.path.exists(a.path)
+
+
+def test_creator_close_leaves_a_replacement_file_alone(arena_dir):
+    a = create(arena_dir)
+    os.unlink(a.path)
+    with create(arena_dir) as b:  # a new arena under the same name
+        a.close()
+        assert os.path.exists(b.path)
+
+
+def test_close_is_idempotent_and_tolerates_live_views(arena_dir):
+    a = create(arena_dir)
+    view = a.host[:B]  # the caller still holds a view
+    view.fill_(3)
+    a.close()
+    a.close()
+    assert a.closed and a.host is None
+    assert view.sum().item() == 3 * B  # mapping lives until the view is freed
+    del view
+
+
+def test_refuses_arena_larger_than_free_space(arena_dir):
+    with pytest.raises(ArenaError, match="free"):
+        create(arena_dir, num_blocks=1 << 40)
+
+
+def test_populate_falls_back_without_madvise_support(arena_dir, monkeypatch):
+    monkeypatch.setattr(arena_mod, "_MADV_POPULATE_WRITE", 0x7FFF)  # unknown advice: EINVAL
+    with create(arena_dir) as a:
+        assert a.host.sum().item() == 0
+
+
+def test_populate_in_parallel_logs_progress(arena_dir, monkeypatch, caplog):
+    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", 8 * B)
+    with (
+        caplog.at_level(logging.INFO, logger="ecoffload.engine.arena"),
+        create(arena_dir, num_blocks=64, populate_threads=2),
+    ):
+        pass
+    assert any("pre-faulted" in r.message for r in caplog.records)
+
+
+def _child_attach_write(arena_dir, queue):
+    with Arena.attach("shared", directory=arena_dir, layout_key=KEY, timeout_s=10) as b:
+        b.host[5 * B : 6 * B] = torch.full((B,), 42, dtype=torch.uint8)
+        queue.put(b.attached_processes())
+
+
+def test_second_process_attaches_writes_and_is_read_back(arena_dir):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with create(arena_dir, name="shared", processes=2) as a:
+        child = ctx.Process(target=_child_attach_write, args=(arena_dir, queue))
+        child.start()
+        assert queue.get(timeout=60) == 2
+        child.join(60)
+        assert child.exitcode == 0
+        assert torch.equal(a.host[5 * B : 6 * B], torch.full((B,), 42, dtype=torch.uint8))
+        assert not os.path.exists(a.path)  # both processes mapped it: name already gone
+
+
+def _child_create_late(arena_dir):
+    import time
+
+    time.sleep(0.5)
+    with create(arena_dir, name="late", processes=2) as a:
+        a.host[0] = 9
+        deadline = time.time() + 30
+        while os.path.exists(a.path) and time.time() < deadline:
+            time.sleep(0.01)
+
+
+def test_attach_waits_for_a_creator_that_starts_later(arena_dir):
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(target=_child_create_late, args=(arena_dir,))
+    child.start()
+    try:
+        with Arena.attach("late", directory=arena_dir, timeout_s=30) as b:
+            assert b.block_bytes == B
+    finally:
+        child.join(60)
+    assert child.exitcode == 0
+
+
+def test_create_or_attach(arena_dir):
+    kw = {"directory": arena_dir, "block_bytes": B, "num_blocks": 4}
+    with Arena.create_or_attach("c", **kw) as a, Arena.create_or_attach("c", **kw) as b:
+        assert a.created and not b.created

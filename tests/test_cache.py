@@ -1,0 +1,83 @@
+"""The engine-level transfer API on CPU (interpreter kernel and reference path)."""
+
+import pytest
+import torch
+
+from ecoffload.engine import OffloadCache
+from ecoffload.engine.transfer import BlockMover
+
+B = 4096
+
+
+def items(n, rows=10, hidden=100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"img-{i}": torch.randn(rows + i, hidden, generator=g).to(torch.bfloat16) for i in range(n)
+    }
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def cache(request, arena_dir, monkeypatch):
+    if request.param == "reference":
+        monkeypatch.setattr("ecoffload.engine.transfer.triton_available", lambda device: False)
+    with OffloadCache.create("c", arena_bytes=64 * B, block_bytes=B, directory=arena_dir) as c:
+        assert c.mover.path == request.param
+        yield c
+
+
+def test_save_then_load_round_trip(cache):
+    data = items(5)
+    result = cache.save(data)
+    assert result.saved == list(data) and not result.no_room
+    got = cache.load(["img-0", "img-4", "img-9"])
+    assert set(got) == {"img-0", "img-4"}
+    for key, tensor in got.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, data[key])
+    s = cache.stats()
+    assert (s.hits, s.misses, s.items_stored) == (2, 1, 5)
+
+
+def test_duplicate_keys_are_not_saved_twice(cache):
+    cache.save(items(2))
+    result = cache.save(items(3))
+    assert result.already_cached == ["img-0", "img-1"] and result.saved == ["img-2"]
+
+
+def test_eviction_under_pressure_then_reload(cache):
+    # 20 items of ~8 KiB in a 64-block arena: the oldest are evicted.
+    data = {f"k{i}": torch.full((4000,), i, dtype=torch.int16) for i in range(40)}
+    for key, tensor in data.items():
+        cache.save({key: tensor})
+    s = cache.stats()
+    assert s.evictions > 0 and s.items_resident < 40
+    got = cache.load(list(data))
+    assert "k39" in got and "k0" not in got
+    for key, tensor in got.items():
+        assert torch.equal(tensor, data[key])
+    cache.catalog.check()
+
+
+def test_loads_unpin_after_completion(cache):
+    cache.save(items(1))
+    cache.load(["img-0"])
+    cache.flush()
+    assert cache.catalog.entry("img-0").pins == 0
+
+
+def test_item_too_big_for_room_left_is_skipped(arena_dir):
+    with OffloadCache.create("c", arena_bytes=4 * B, block_bytes=B, directory=arena_dir) as c:
+        c.save({"a": torch.zeros(3 * B, dtype=torch.uint8)})
+        c.catalog.pin("a")  # a load in flight: cannot be evicted
+        result = c.save({"b": torch.zeros(2 * B, dtype=torch.uint8)})
+        assert result.no_room == ["b"] and c.stats().reserve_failures == 1
+        c.catalog.unpin("a")
+
+
+def test_mover_save_and_load_directly(arena_dir):
+    with OffloadCache.create("m", arena_bytes=16 * B, block_bytes=B, directory=arena_dir) as c:
+        mover = BlockMover(c.arena)
+        src = torch.arange(3000, dtype=torch.int32)
+        mover.save([src], [[(3, 3)]]).wait()
+        (out,), done = mover.load([[(3, 3)]], [(torch.int32, (3000,))])
+        done.wait()
+        assert done.done() and torch.equal(out, src)

@@ -1,0 +1,131 @@
+import pytest
+
+from ecoffload.engine.allocator import BlockAllocator
+from ecoffload.engine.catalog import Catalog, ItemState
+from ecoffload.engine.errors import (
+    DuplicateItemError,
+    InvalidSizeError,
+    ItemStateError,
+    ItemTooLargeError,
+    UnknownItemError,
+)
+
+B = 4096
+
+
+def make(blocks=10):
+    return Catalog(BlockAllocator(blocks, B))
+
+
+def test_two_phase_commit_hides_writing_items():
+    c = make()
+    e = c.reserve("a", 3 * B, "bfloat16", (3, 2048))
+    assert e.state is ItemState.WRITING and sum(n for _, n in e.extents) == 3
+    assert "a" not in c and c.lookup("a") is None
+    c.commit("a")
+    assert "a" in c and c.lookup("a") is e
+    assert (e.dtype, e.shape) == ("bfloat16", (3, 2048))
+    c.check()
+
+
+def test_abort_frees_blocks():
+    c = make()
+    c.reserve("a", 10 * B)
+    c.abort("a")
+    assert c.allocator.free_blocks == 10 and c.state("a") is None
+    c.check()
+
+
+def test_script_of_steps_with_lru_eviction():
+    # Each step: (operation, key, expected outcome); 4 blocks of room.
+    c = make(4)
+    for key in "abcd":
+        c.reserve(key, B)
+        c.commit(key)
+    assert c.lookup("a") is not None  # a becomes most recently used: b is now oldest
+    c.reserve("e", 2 * B)  # evicts b then c
+    assert c.state("b") is None and c.state("c") is None
+    assert {k for k in "ade" if c.state(k)} == {"a", "d", "e"}
+    s = c.stats()
+    assert (s.evictions, s.bytes_evicted, s.hits, s.misses) == (2, 2 * B, 1, 0)
+    c.check()
+
+
+def test_pinned_and_writing_items_are_never_evicted():
+    c = make(4)
+    c.reserve("w", B)  # writing
+    c.reserve("p", B)
+    c.commit("p")
+    c.pin("p")
+    c.reserve("r", 2 * B)
+    c.commit("r")
+    assert c.reserve("x", 3 * B) is None  # only r (2 blocks) is evictable
+    assert c.state("r") is ItemState.READY  # nothing changed
+    assert c.stats().reserve_failures == 1
+    assert c.reserve("x", 2 * B) is not None  # evicts r only
+    assert c.state("w") is ItemState.WRITING and c.state("p") is ItemState.READY
+    c.check()
+
+
+def test_pins_nest():
+    c = make()
+    c.reserve("a", B)
+    c.commit("a")
+    c.pin("a")
+    c.pin("a")
+    c.unpin("a")
+    with pytest.raises(ItemStateError, match="pinned 1 time"):
+        c.evict("a")
+    c.unpin("a")
+    c.evict("a")
+    assert c.state("a") is None
+
+
+def test_misses_and_hits_are_counted():
+    c = make()
+    assert c.lookup("nope") is None
+    c.reserve("a", B)
+    assert c.lookup("a") is None  # still writing: a miss
+    c.commit("a")
+    c.lookup("a")
+    s = c.stats()
+    assert (s.hits, s.misses, s.items_stored, s.bytes_stored) == (1, 2, 1, B)
+    assert (s.items_resident, s.bytes_resident, s.free_blocks, s.largest_free_extent) == (
+        1,
+        B,
+        9,
+        9,
+    )
+
+
+@pytest.mark.parametrize(
+    "op,exc,match",
+    [
+        (lambda c: c.reserve("a", 0), InvalidSizeError, "positive"),
+        (lambda c: c.reserve("a", -5), InvalidSizeError, "positive"),
+        (lambda c: c.reserve("a", 11 * B), ItemTooLargeError, "arena has 10"),
+        (lambda c: c.reserve("r", B), DuplicateItemError, "already in the catalog"),
+        (lambda c: c.commit("nope"), UnknownItemError, "not in the catalog"),
+        (lambda c: c.commit("r"), ItemStateError, "state 'writing', found 'ready'"),
+        (lambda c: c.abort("r"), ItemStateError, "found 'ready'"),
+        (lambda c: c.pin("w"), ItemStateError, "found 'writing'"),
+        (lambda c: c.unpin("r"), ItemStateError, "not pinned"),
+        (lambda c: c.unpin("nope"), UnknownItemError, "nope"),
+        (lambda c: c.evict("w"), ItemStateError, "found 'writing'"),
+    ],
+    ids=[
+        "zero-size", "negative-size", "larger-than-arena", "duplicate-reserve", "commit-unknown",
+        "double-commit", "abort-ready", "pin-writing", "unpin-unpinned", "unpin-unknown",
+        "evict-writing",
+    ],
+)  # fmt: skip
+def test_misuse_raises_specific_errors_and_changes_nothing(op, exc, match):
+    c = make()
+    c.reserve("r", B)
+    c.commit("r")
+    c.reserve("w", B)
+    before = [(e.key, e.state, e.pins, list(e.extents)) for e in c.entries()]
+    with pytest.raises(exc, match=match):
+        op(c)
+    assert [(e.key, e.state, e.pins, list(e.extents)) for e in c.entries()] == before
+    c.check()
