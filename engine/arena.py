@@ -281,7 +281,7 @@ class Arena:
         """The CUDA alias of the data area on ``device`` (the arena must be registered)."""
         if self._registration is None:
             raise ArenaError(f"arena {self.path} is not registered with CUDA: no device view")
-        if self.device is not None and self.device.device == device:
+        if self.device is not None and self.device.device == torch.device(device):
             return self.device
         return self._registration.device_alias(device)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .allocator import BlockAllocator, Extent
 from .errors import DuplicateItemError, ItemStateError, UnknownItemError
@@ -45,6 +45,10 @@ class Entry:
     shape: tuple[int, ...]
     state: ItemState = ItemState.WRITING
     pins: int = 0
+    blocks: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.blocks = sum(count for _, count in self.extents)
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Catalog:
         self.allocator = allocator
         self._entries: dict[str, Entry] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # READY keys, oldest first
+        self._evictable_blocks = 0  # blocks of READY, unpinned items
         self._stats = CatalogStats()
 
     def __len__(self) -> int:
@@ -112,15 +117,18 @@ class Catalog:
         alloc = self.allocator
         need = alloc.blocks_for(nbytes)
         if need > alloc.free_blocks:
-            evictable = sum(
-                self._blocks(self._entries[k]) for k in self._lru if self._entries[k].pins == 0
-            )
-            if alloc.free_blocks + evictable < need:
+            if alloc.free_blocks + self._evictable_blocks < need:
                 self._stats.reserve_failures += 1
                 return None
-            for k in [k for k in self._lru if self._entries[k].pins == 0]:
-                if alloc.free_blocks >= need:
-                    break
+            victims, room = [], alloc.free_blocks
+            for k in self._lru:  # oldest first; stops as soon as there is room
+                entry = self._entries[k]
+                if entry.pins == 0:
+                    victims.append(k)
+                    room += self._blocks(entry)
+                    if room >= need:
+                        break
+            for k in victims:
                 self._drop(k, evicted=True)
         extents = alloc.alloc(nbytes)
         assert extents is not None, "allocator refused although enough blocks are free"
@@ -133,6 +141,7 @@ class Catalog:
         entry = self._expect(key, ItemState.WRITING, "commit")
         entry.state = ItemState.READY
         self._lru[key] = None
+        self._evictable_blocks += self._blocks(entry)
         self._stats.items_stored += 1
         self._stats.bytes_stored += entry.nbytes
         return entry
@@ -155,6 +164,8 @@ class Catalog:
     def pin(self, key: str) -> Entry:
         """Protect a READY item from eviction (e.g. while it is being loaded); nests."""
         entry = self._expect(key, ItemState.READY, "pin")
+        if entry.pins == 0:
+            self._evictable_blocks -= self._blocks(entry)
         entry.pins += 1
         return entry
 
@@ -165,6 +176,8 @@ class Catalog:
                 f"unpin({key!r}): the item is not pinned; every unpin must match one pin"
             )
         entry.pins -= 1
+        if entry.pins == 0:
+            self._evictable_blocks += self._blocks(entry)
 
     def evict(self, key: str) -> None:
         """Drop a READY, unpinned item now."""
@@ -196,9 +209,13 @@ class Catalog:
                 assert not blocks & owned, f"block owned twice ({entry.key})"
                 owned |= blocks
             assert self._blocks(entry) == -(-entry.nbytes // self.allocator.block_bytes)
+            assert entry.blocks == sum(count for _, count in entry.extents)
             assert (entry.key in self._lru) == (entry.state is ItemState.READY)
             assert entry.pins >= 0 and (entry.pins == 0 or entry.state is ItemState.READY)
         assert len(owned) + self.allocator.free_blocks == self.allocator.num_blocks
+        assert self._evictable_blocks == sum(
+            self._blocks(self._entries[k]) for k in self._lru if self._entries[k].pins == 0
+        )
 
     def _expect(self, key: str, state: ItemState, op: str) -> Entry:
         entry = self.entry(key)
@@ -210,7 +227,9 @@ class Catalog:
 
     def _drop(self, key: str, *, evicted: bool) -> None:
         entry = self._entries.pop(key)
-        self._lru.pop(key, None)
+        if key in self._lru:  # READY (and unpinned: pinned items are never dropped)
+            del self._lru[key]
+            self._evictable_blocks -= self._blocks(entry)
         self.allocator.free(entry.extents)
         if evicted:
             self._stats.evictions += 1
@@ -218,4 +237,4 @@ class Catalog:
 
     @staticmethod
     def _blocks(entry: Entry) -> int:
-        return sum(count for _, count in entry.extents)
+        return entry.blocks

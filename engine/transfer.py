@@ -71,14 +71,18 @@ class BlockMover:
         self.pack_config, self.unpack_config = pack_config, unpack_config
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
-            if arena.registered:
-                self._arena_view, self.path = arena.device_view(self.device), "kernel"
-            else:
-                self._arena_view, self.path = arena.host, "reference"
+            self.path = "kernel" if arena.registered else "reference"
         else:
             self.stream = None
-            self._arena_view = arena.host
             self.path = "kernel" if triton_available(self.device) else "reference"
+
+    def _arena_view(self) -> torch.Tensor:
+        """The arena as the copy path addresses it (fetched per call: holds no view)."""
+        if self.device.type == "cuda" and self.path == "kernel":
+            return self.arena.device_view(self.device)
+        if self.arena.host is None:
+            raise ValueError(f"{self.arena.path} is closed")
+        return self.arena.host
 
     def save(self, sources: Sequence[torch.Tensor], tables: Sequence[Extents]) -> Completion:
         """Copy ``sources`` (on this mover's device) into their blocks; one launch."""
@@ -121,9 +125,8 @@ class BlockMover:
     ) -> None:
         block = self.arena.block_bytes
         backend = "auto" if self.path == "kernel" else "reference"
+        arena = self._arena_view()
         if to_arena:
-            pack(tensors, tables, self._arena_view, block, config=self.pack_config, backend=backend)
+            pack(tensors, tables, arena, block, config=self.pack_config, backend=backend)
         else:
-            unpack(
-                self._arena_view, tables, block, tensors, config=self.unpack_config, backend=backend
-            )
+            unpack(arena, tables, block, tensors, config=self.unpack_config, backend=backend)

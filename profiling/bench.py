@@ -108,6 +108,11 @@ class Bench:
 
     # timing ------------------------------------------------------------------
 
+    def close(self) -> None:
+        self.items = []
+        self.mover = None
+        self.arena.close()
+
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -294,11 +299,6 @@ class Bench:
         )
 
     def ecoffload(self) -> None:
-        step_buffer = torch.cat([t.view(-1) for t in self.items])
-        views, at = [], 0
-        for t in self.items:
-            views.append(step_buffer[at : at + t.numel()].view(t.shape))
-            at += t.numel()
         specs = [(t.dtype, tuple(t.shape)) for t in self.items]
         layouts = [
             ("contiguous", BIG_BLOCK, False),
@@ -309,16 +309,44 @@ class Bench:
             if block % self.unit:
                 continue
             tables = self.tables(block, shuffle, seed=3)
-            for srcs, how in ((self.items, "separate tensors"), (views, "views of one buffer")):
-                if how == "views of one buffer" and label != "shuffled token-row blocks":
-                    continue
-                self.add("ecoffload", f"{label}, {how}", "save", self.step_bytes,
-                         lambda s=srcs, tb=tables: self.mover.save(s, tb),
-                         check=lambda tb=tables: self.check_round_trip(tb),
-                         programs=PACK_CONFIG.num_programs)  # fmt: skip
-            self.add("ecoffload", f"{label}", "load", self.step_bytes,
-                     lambda tb=tables: self.mover.load(tb, specs),
+            extents = sum(len(t) for t in tables)
+            self.add("ecoffload", f"{label}, engine call", "save", self.step_bytes,
+                     lambda tb=tables: self.mover.save(self.items, tb),
+                     check=lambda tb=tables: self.check_round_trip(tb), extents=extents,
+                     programs=PACK_CONFIG.num_programs)  # fmt: skip
+            self.add("ecoffload", f"{label}, engine call", "load", self.step_bytes,
+                     lambda tb=tables: self.mover.load(tb, specs), extents=extents,
                      programs=UNPACK_CONFIG.num_programs)  # fmt: skip
+            if self.cuda:
+                for direction, config in (("save", PACK_CONFIG), ("load", UNPACK_CONFIG)):
+                    launch = self.kernel_only(self.items, tables, config, direction == "save")
+                    self.add("ecoffload", f"{label}, kernel only (plan prebuilt)", direction,
+                             self.step_bytes, launch, extents=extents)  # fmt: skip
+
+    def kernel_only(self, sources, tables, config: LaunchConfig, to_arena: bool):
+        """A launch with its plan built beforehand: the kernel's own time, on the side stream."""
+        from ..kernels.block_copy import launch_block_copy
+        from ..kernels.pack import _alignment, _item_layout
+        from ..kernels.plan import plan_copy
+
+        arena = self.arena.device_view(self.device)
+        base, offsets, span = _item_layout(list(sources))
+        plan = plan_copy(
+            offsets, [t.nbytes for t in sources], tables, block_bytes=self.unit,
+            arena_bytes=arena.numel(), items_bytes=span, tile_bytes=config.tile_bytes,
+            base_alignment=_alignment(base.data_ptr()) & _alignment(arena.data_ptr()),
+        )  # fmt: skip
+        plan = type(plan)(plan.segments.to(self.device), plan.vec_bytes, plan.tile_bytes,
+                          plan.num_tiles, plan.nbytes)  # fmt: skip
+
+        def launch():
+            with torch.cuda.stream(self.side):
+                launch_block_copy(
+                    base, arena, plan, to_arena=to_arena,
+                    num_programs=config.num_programs, num_warps=config.num_warps,
+                )  # fmt: skip
+
+        return launch
 
     def check_round_trip(self, tables) -> None:
         outputs, done = self.mover.load(tables, [(t.dtype, tuple(t.shape)) for t in self.items])
@@ -344,20 +372,24 @@ class Bench:
                  reps=30)  # fmt: skip
 
     def launch_cpu_time(self) -> None:
-        tables = self.tables(BIG_BLOCK, shuffle=True, seed=4)
-        times = []
-        for i in range(5 + (30 if self.cuda else 5)):
+        """Host time of one 16-item save call (plan, table upload, launch), not waited for."""
+        for label, block, shuffle in (("contiguous", BIG_BLOCK, False),
+                                      ("shuffled 64 KiB blocks", BIG_BLOCK, True)):  # fmt: skip
+            tables = self.tables(block, shuffle, seed=4)
+            times = []
+            for i in range(5 + (50 if self.cuda else 10)):
+                self.sync()
+                t0 = time.perf_counter()
+                self.mover.save(self.items, tables)
+                if i >= 5:
+                    times.append((time.perf_counter() - t0) * 1e6)
             self.sync()
-            t0 = time.perf_counter()
-            self.mover.save(self.items, tables)
-            dt = (time.perf_counter() - t0) * 1e6
-            if i >= 5:
-                times.append(dt)
-        self.sync()
-        us = statistics.median(times)
-        self.rows.append(Row("launch", "CPU time of a 16-item save call", "-", 0,
-                             ms=us / 1e3, extra={"cpu_us": us}))  # fmt: skip
-        print(f"  {'launch':<22} {'CPU time of a 16-item save call':<46} {'-':<5} {us:9.1f} us")
+            us = statistics.median(times)
+            name = f"CPU time of a 16-item save call, {label}"
+            extents = sum(len(t) for t in tables)
+            self.rows.append(Row("launch", name, "-", 0, ms=us / 1e3,
+                                 extra={"cpu_us": us, "extents": extents}))  # fmt: skip
+            print(f"  {'launch':<22} {name:<46} {'-':<5} {us:9.1f} us ({extents} extents)")
 
     def interference(self) -> None:
         n = 8192
@@ -379,14 +411,19 @@ class Bench:
         host = self.arena.host[: src.numel() * 2]
         matmul_ms = self.timed(matmuls)
         variants = [
-            ("ecoffload save, default programs", lambda: self.mover.save([src], table), None),
+            ("ecoffload save, 8 programs x 8 warps (default)",
+             self.kernel_only([src], table, PACK_CONFIG, True), None),
             ("ecoffload save, 16 programs x 4 warps",
-             lambda: self._mover(LaunchConfig(16, 4)).save([src], table), None),
+             self.kernel_only([src], table, LaunchConfig(16, 4), True), None),
+            ("ecoffload load, 16 programs x 4 warps (default)",
+             self.kernel_only([src], table, UNPACK_CONFIG, False), None),
+            ("ecoffload save, 132 programs (one per SM)",
+             self.kernel_only([src], table, LaunchConfig(132, 8), True), None),
             ("DMA, one contiguous copy_", lambda: _on(self.side, lambda: host.copy_(
                 src.view(-1).view(torch.uint8), non_blocking=True)), None),
         ]  # fmt: skip
         for name, save, _ in variants:
-            row = Row("interference", name, "save", src.numel() * 2)
+            row = Row("interference", name, "load" if " load" in name else "save", src.numel() * 2)
             try:
                 alone = self.timed(save)
                 both = self.timed(lambda save=save: (save(), matmuls()))
@@ -401,19 +438,15 @@ class Bench:
             self.rows.append(row)
             print(f"  {'interference':<22} {name:<46} {'save':<5} {status}", flush=True)
 
-    def _mover(self, config: LaunchConfig) -> BlockMover:
-        return BlockMover(self.arena, self.device, pack_config=config, unpack_config=config)
-
     def program_sweep(self) -> None:
         tables = self.tables(self.row_bytes, shuffle=True, seed=6)
-        specs = [(t.dtype, tuple(t.shape)) for t in self.items]
         for programs in (4, 8, 16, 32, 132):
             for warps in (4, 8):
-                mover = self._mover(LaunchConfig(programs, warps))
-                self.add("sweep", f"{programs} programs x {warps} warps", "save", self.step_bytes,
-                         lambda m=mover: m.save(self.items, tables), reps=3)  # fmt: skip
-                self.add("sweep", f"{programs} programs x {warps} warps", "load", self.step_bytes,
-                         lambda m=mover: m.load(tables, specs), reps=3)  # fmt: skip
+                config = LaunchConfig(programs, warps)
+                for direction in ("save", "load"):
+                    launch = self.kernel_only(self.items, tables, config, direction == "save")
+                    self.add("sweep", f"{programs} programs x {warps} warps", direction,
+                             self.step_bytes, launch, reps=3)  # fmt: skip
 
 
 def _null():
@@ -496,7 +529,7 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-def plot(rows: list[Row], path: str) -> bool:
+def plot(rows: list[Row], path: str, cuda: bool) -> bool:
     try:
         import matplotlib
 
@@ -512,7 +545,8 @@ def plot(rows: list[Row], path: str) -> bool:
     ax.set_yticks(range(len(shown)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("GB/s")
-    ax.set_title("ecoffload transfer benchmark (same process, same data)")
+    where = "CUDA" if cuda else "CPU figures, small sizes: not PCIe"
+    ax.set_title(f"ecoffload transfer benchmark, same process and data ({where})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -540,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bench.run()
     finally:
-        bench.arena.close()
+        bench.close()
     table = summarize(bench.rows, bench.cuda)
     print("\n" + table)
     env = environment(device)
@@ -548,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"environment": env, "rows": [asdict(r) for r in bench.rows]}, f, indent=1)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(f"{json.dumps(env)}\n\n{table}\n")
-    if plot(bench.rows, os.path.join(args.out, "bench.png")):
+    if plot(bench.rows, os.path.join(args.out, "bench.png"), bench.cuda):
         print(f"\nwrote {args.out}/bench.json, bench.md, bench.png")
     return 0
 
