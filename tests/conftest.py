@@ -6,8 +6,16 @@ set here, at collection time. It is left alone when CUDA is available, so
 """
 
 import os
+import sys
 
 import pytest
+
+# The repository's top level holds folders named kernels/, engine/, ... that must
+# only ever be imported as ecoffload.*; `python -m pytest` puts the current
+# directory on sys.path, where e.g. transformers' probe for the HF `kernels`
+# package would find ours. Importing from the installed package only.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO]
 
 try:
     import torch

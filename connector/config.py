@@ -1,0 +1,79 @@
+"""The connector's ``ec_connector_extra_config``: keys, defaults, validation.
+
+Every key is checked when the connector starts, so a typo or a bad value stops
+vLLM at start-up with a message instead of failing a request later.
+
+| key | default | meaning |
+|---|---|---|
+| ``arena_bytes`` | ``"4GiB"`` | arena size: int bytes or a string such as ``"8GiB"`` |
+| ``block_bytes`` | ``"64KiB"`` | block size, a multiple of 4 KiB |
+| ``arena_dir`` | ``"/dev/shm"`` | directory of the arena file (must exist) |
+| ``arena_name`` | ``"ecoffload-<engine_id>"`` | file name; must be identical in every process |
+| ``num_programs`` | kernel defaults (8 save, 16 load) | persistent programs per launch |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.arena import check_arena_name
+from ..engine.errors import ArenaError, ConfigError
+from ..engine.sizes import parse_bytes
+
+DEFAULTS: dict[str, Any] = {
+    "arena_bytes": "4GiB",
+    "block_bytes": "64KiB",
+    "arena_dir": "/dev/shm",
+    "arena_name": None,
+    "num_programs": None,
+}
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    arena_bytes: int
+    block_bytes: int
+    arena_dir: str
+    arena_name: str
+    num_programs: int | None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.arena_bytes // self.block_bytes
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, engine_id: str) -> OffloadConfig:
+        """Validate ``ec_connector_extra_config``; ``engine_id`` names the default arena."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(DEFAULTS))
+        if unknown:
+            raise ConfigError(
+                f"unknown ec_connector_extra_config key(s) {unknown}; ecoffload accepts "
+                f"{sorted(DEFAULTS)}"
+            )
+        values = {**DEFAULTS, **extra}
+        block = parse_bytes(values["block_bytes"], name="block_bytes")
+        if block % 4096:
+            raise ConfigError(f"block_bytes must be a multiple of 4096 (4 KiB), got {block}")
+        arena = parse_bytes(values["arena_bytes"], name="arena_bytes")
+        if arena < block:
+            raise ConfigError(
+                f"arena_bytes ({arena}) is smaller than one block ({block}): raise arena_bytes"
+            )
+        arena_dir = values["arena_dir"]
+        if not isinstance(arena_dir, str) or not os.path.isdir(arena_dir):
+            raise ConfigError(f"arena_dir must be an existing directory, got {arena_dir!r}")
+        name = values["arena_name"] or f"ecoffload-{engine_id}"
+        try:
+            check_arena_name(name)
+        except ArenaError as exc:
+            raise ConfigError(f"arena_name: {exc}") from None
+        programs = values["num_programs"]
+        if programs is not None and (
+            isinstance(programs, bool) or not isinstance(programs, int) or programs <= 0
+        ):
+            raise ConfigError(f"num_programs must be a positive int, got {programs!r}")
+        return cls(arena - arena % block, block, arena_dir, name, programs)

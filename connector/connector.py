@@ -1,0 +1,102 @@
+"""``ECOffloadConnector``: the vLLM EC connector facade.
+
+vLLM instantiates the class twice, in the scheduler process (role SCHEDULER)
+and in each worker (role WORKER). The facade builds the matching delegate and
+forwards every hook to it; it holds no logic of its own. Enable with::
+
+    --ec-transfer-config '{"ec_connector": "ECOffloadConnector",
+                           "ec_connector_module_path": "ecoffload.connector",
+                           "ec_role": "ec_both",
+                           "ec_connector_extra_config": {"arena_bytes": "8GiB"}}'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..profiling.nvtx import traced
+from .compat import ECConnectorBase, ECConnectorRole
+from .config import OffloadConfig
+from .scheduler_side import SchedulerSide
+from .stats import ECOffloadStats
+from .worker_side import WorkerSide
+
+
+class ECOffloadConnector(ECConnectorBase):
+    def __init__(self, vllm_config: Any, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        transfer = vllm_config.ec_transfer_config
+        config = OffloadConfig.from_extra_config(
+            transfer.ec_connector_extra_config, engine_id=str(transfer.engine_id)
+        )
+        side = SchedulerSide if role == ECConnectorRole.SCHEDULER else WorkerSide
+        self.side: SchedulerSide | WorkerSide = side(vllm_config, config)
+
+    # Scheduler side.
+    @traced("ecoffload.has_cache_item")
+    def has_cache_item(self, identifier: str) -> bool:
+        return self.side.has_cache_item(identifier)
+
+    @traced("ecoffload.update_state_after_alloc")
+    def update_state_after_alloc(self, request: Any, index: int) -> None:
+        self.side.update_state_after_alloc(request, index)
+
+    @traced("ecoffload.build_connector_meta")
+    def build_connector_meta(self, scheduler_output: Any):
+        return self.side.build_connector_meta(scheduler_output)
+
+    @traced("ecoffload.update_connector_output")
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.side.update_connector_output(connector_output)
+
+    @traced("ecoffload.request_finished")
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self.side.request_finished(request)
+
+    @traced("ecoffload.get_ec_connector_stats")
+    def get_ec_connector_stats(self) -> ECOffloadStats | None:
+        return self.side.get_ec_connector_stats()
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECOffloadStats:
+        return ECOffloadStats(data=dict(data or {}))
+
+    def offload_stats(self) -> dict[str, int]:
+        """Cumulative counters of the scheduler side (hits, misses, saves, loads...)."""
+        return self.side.stats()
+
+    # Worker side.
+    @traced("ecoffload.bind_connector_metadata")
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.side.bind_connector_metadata(connector_metadata)
+
+    @traced("ecoffload.clear_connector_metadata")
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.side.clear_connector_metadata()
+
+    @traced("ecoffload.start_load_caches")
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        self.side.start_load_caches(encoder_cache, **kwargs)
+
+    @traced("ecoffload.save_caches")
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        self.side.save_caches(encoder_cache, mm_hash, **kwargs)
+
+    @traced("ecoffload.get_finished")
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.side.get_finished(finished_req_ids)
+
+    @traced("ecoffload.build_connector_worker_meta")
+    def build_connector_worker_meta(self):
+        return self.side.build_connector_worker_meta()
+
+    # Both.
+    @traced("ecoffload.shutdown")
+    def shutdown(self) -> None:
+        self.side.shutdown()

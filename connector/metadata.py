@@ -1,0 +1,52 @@
+"""What crosses processes each step (pickled by vLLM).
+
+Scheduler -> worker, per step (:class:`ECOffloadMetadata`)::
+
+    step    sequence number; the worker echoes the steps it processed
+    loads   [(key, extents, nbytes, dtype, shape)]  pinned READY items to unpack
+    saves   {key: (extents, nbytes)}                WRITING reservations to fill
+
+Worker -> scheduler (:class:`ECOffloadWorkerMetadata`, merged across ranks):
+
+    steps      metadata steps processed (a shipped step never echoed was
+               dropped by vLLM: its reservations are aborted, its pins released)
+    saved      {key: (dtype, shape)}  copy complete: commit
+    not_saved  {key: nbytes}          the worker will never write these: abort
+                                      (nbytes: the real size it saw, or -1)
+    loaded     {key: ranks}           unpack complete on that many ranks
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .compat import ECConnectorMetadata, ECConnectorWorkerMetadata
+
+Extents = list[tuple[int, int]]
+LoadSpec = tuple[str, Extents, int, str, tuple[int, ...]]
+SaveSpec = tuple[Extents, int]
+
+
+@dataclass
+class ECOffloadMetadata(ECConnectorMetadata):
+    step: int
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: dict[str, SaveSpec] = field(default_factory=dict)
+
+
+@dataclass
+class ECOffloadWorkerMetadata(ECConnectorWorkerMetadata):
+    steps: set[int] = field(default_factory=set)
+    saved: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    not_saved: dict[str, int] = field(default_factory=dict)
+    loaded: Counter = field(default_factory=Counter)
+
+    def aggregate(self, other: ECOffloadWorkerMetadata) -> ECOffloadWorkerMetadata:
+        """Merge another rank's report: union of steps and saves, sum of load counts."""
+        return ECOffloadWorkerMetadata(
+            steps=self.steps | other.steps,
+            saved={**self.saved, **other.saved},
+            not_saved={**self.not_saved, **other.not_saved},
+            loaded=Counter(self.loaded) + Counter(other.loaded),
+        )

