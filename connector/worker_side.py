@@ -58,6 +58,7 @@ class WorkerSide:
         self._steps: set[int] = set()
         self._pending_saves: list[tuple[Completion, dict[str, tuple[str, tuple[int, ...]]]]] = []
         self._pending_loads: list[tuple[Completion, list[str]]] = []
+        self._counts: Counter[str] = Counter()
 
     def bind_connector_metadata(self, metadata: ECOffloadMetadata) -> None:
         self._meta = metadata
@@ -74,6 +75,8 @@ class WorkerSide:
         specs = [(dtype_from_name(dtype), shape) for _, _, _, dtype, shape in loads]
         outputs, done = self.mover.load(tables, specs)
         keys = [key for key, _, _, _, _ in loads]
+        self._counts["items_loaded"] += len(keys)
+        self._counts["bytes_loaded"] += sum(nbytes for _, _, nbytes, _, _ in loads)
         for key, tensor in zip(keys, outputs, strict=True):
             encoder_cache[key] = tensor
         self._pending_loads.append((done, keys))
@@ -81,6 +84,7 @@ class WorkerSide:
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
+        self._counts["encoder_outputs"] += 1  # vLLM calls this once per encoded item
         if not self.writes:
             return
         tensor = encoder_cache[mm_hash]
@@ -132,6 +136,13 @@ class WorkerSide:
             return
         saved = {k: (dtype_name(t.dtype), tuple(t.shape)) for k, t in queued.items()}
         self._pending_saves.append((done, saved))
+        self._counts["items_saved"] += len(queued)
+        self._counts["bytes_saved"] += sum(t.nbytes for t in queued.values())
+
+    def stats(self) -> dict[str, int]:
+        """This worker's counters: encoder outputs seen, items and bytes saved and loaded."""
+        names = ("encoder_outputs", "items_saved", "bytes_saved", "items_loaded", "bytes_loaded")
+        return {name: self._counts.get(name, 0) for name in names}
 
     def shutdown(self) -> None:
         for done, _ in self._pending_saves + self._pending_loads:

@@ -92,6 +92,8 @@ class BlockMover:
                 self._copy(sources, tables, to_arena=True)
                 return Completion(None, [])
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in sources:  # the allocator must not reuse them before the copy ends
+                t.record_stream(self.stream)
             with torch.cuda.stream(self.stream):
                 self._copy(sources, tables, to_arena=True)
                 event = torch.cuda.Event()
@@ -113,6 +115,8 @@ class BlockMover:
                 return outputs, Completion(None, [])
             caller = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(caller)
+            if outputs:
+                outputs[0].record_stream(self.stream)  # views of one buffer: one record
             with torch.cuda.stream(self.stream):
                 self._copy(outputs, tables, to_arena=False)
                 event = torch.cuda.Event()

@@ -1,0 +1,311 @@
+"""A tiny, randomly initialised PaliGemma that vLLM's CPU build loads offline.
+
+Used by the demo and the end-to-end test (no model hub exists there). The model:
+SigLIP vision tower (112 px, patch 14 -> 64 image tokens, hidden 32, 1 layer),
+a linear projector and a Gemma text model (hidden 128, 2 layers), vocab 1536,
+~0.45 M parameters. Weights come from a seeded generator, so a seed always
+gives the same checkpoint; a large init std makes greedy output depend on the
+image.
+
+    pixtral_alias()                     # before `import vllm` (no torchvision)
+    path = build_tiny_paligemma(tmpdir, seed=0)
+    LLM(model=path, enforce_eager=True, max_model_len=1024, ...)
+
+vLLM 0.32's pixtral.py imports ``transformers.models.pixtral.image_processing_pixtral``,
+which needs torchvision; PyPI's torchvision does not load beside torch+cpu. Its
+PIL twin exports the same name, so :func:`pixtral_alias` aliases it. vLLM's
+child processes get the same alias from ``vllm_cpu_shim/sitecustomize.py``
+when :data:`SHIM_DIR` is on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu_shim")
+
+
+def pixtral_alias() -> None:
+    """Alias transformers' torchvision pixtral image processor module to its PIL twin.
+
+    Must run before ``import vllm`` (or at least before vLLM imports
+    ``vllm.model_executor.models.pixtral``). No-op if torchvision is installed.
+    """
+    key = "transformers.models.pixtral.image_processing_pixtral"
+    if key in sys.modules:
+        return
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    sys.modules[key] = importlib.import_module(
+        "transformers.models.pixtral.image_processing_pil_pixtral"
+    )
+
+
+IMAGE_SIZE = 112
+PATCH_SIZE = 14
+NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # 64
+VISION_HIDDEN = 32
+VISION_INTER = 64
+VISION_LAYERS = 1
+VISION_HEADS = 2
+TEXT_HIDDEN = 128
+TEXT_INTER = 256
+TEXT_LAYERS = 2
+TEXT_HEADS = 2
+TEXT_KV_HEADS = 1
+HEAD_DIM = 64
+VOCAB_SIZE = 1536
+INIT_STD = 0.5  # large on purpose: makes greedy output depend on the image
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # ids 0..4 (Gemma order)
+IMAGE_TOKEN = "<image>"
+EXTRA_TOKENS = [f"<loc{i:0>4}>" for i in range(1024)] + [f"<seg{i:0>3}>" for i in range(128)]
+
+
+def _vocab() -> dict[str, int]:
+    """Character-level Gemma-style vocab (BPE with no merges + byte fallback)."""
+    toks: list[str] = list(SPECIALS) + [IMAGE_TOKEN, "\n", "\u2581"]
+    toks += [f"<0x{b:02X}>" for b in range(256)]
+    toks += [chr(c) for c in range(33, 127)]  # printable ASCII except space ("▁")
+    toks += EXTRA_TOKENS  # PaliGemmaProcessor adds these anyway; keep ids stable
+    # pad with <unusedN> so every id the LM can emit (0..VOCAB_SIZE-1) decodes
+    toks += [f"<unused{i}>" for i in range(VOCAB_SIZE - len(toks))]
+    assert len(toks) == len(set(toks)) == VOCAB_SIZE
+    return {t: i for i, t in enumerate(toks)}
+
+
+def _write_tokenizer(out_dir: str) -> dict[str, int]:
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    vocab = _vocab()
+    tok = Tokenizer(
+        BPE(vocab=vocab, merges=[], fuse_unk=True, unk_token="<unk>", byte_fallback=True)
+    )
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIALS + [IMAGE_TOKEN]]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t in EXTRA_TOKENS + [t for t in vocab if t.startswith("<unused")]
+        ]
+    )
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+
+    tok_cfg = {
+        "tokenizer_class": "GemmaTokenizer",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+        # PaliGemma-2 style: vLLM inserts <image>*64 + <bos> at the very start.
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "extra_special_tokens": {"image_token": IMAGE_TOKEN},
+        "model_max_length": 1024,
+        "padding_side": "left",
+        "clean_up_tokenization_spaces": False,
+    }
+    _dump(out_dir, "tokenizer_config.json", tok_cfg)
+    _dump(
+        out_dir,
+        "special_tokens_map.json",
+        {
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "unk_token": "<unk>",
+            "pad_token": "<pad>",
+            "mask_token": "<mask>",
+            "additional_special_tokens": [IMAGE_TOKEN],
+        },
+    )
+    return vocab
+
+
+def _config(image_token_id: int) -> dict:
+    text = {
+        "model_type": "gemma",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": TEXT_HIDDEN,
+        "intermediate_size": TEXT_INTER,
+        "num_hidden_layers": TEXT_LAYERS,
+        "num_attention_heads": TEXT_HEADS,
+        "num_key_value_heads": TEXT_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "initializer_range": INIT_STD,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }
+    vision = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": VISION_HIDDEN,
+        "intermediate_size": VISION_INTER,
+        "num_hidden_layers": VISION_LAYERS,
+        "num_attention_heads": VISION_HEADS,
+        "num_channels": 3,
+        "image_size": IMAGE_SIZE,
+        "patch_size": PATCH_SIZE,
+        "hidden_act": "gelu_pytorch_tanh",
+        "layer_norm_eps": 1e-6,
+        "projection_dim": TEXT_HIDDEN,
+        "vision_use_head": False,
+        "torch_dtype": "float32",
+    }
+    return {
+        "architectures": ["PaliGemmaForConditionalGeneration"],
+        "model_type": "paligemma",
+        "image_token_index": image_token_id,
+        "vocab_size": VOCAB_SIZE,
+        "projection_dim": TEXT_HIDDEN,
+        "hidden_size": TEXT_HIDDEN,
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "text_config": text,
+        "vision_config": vision,
+    }
+
+
+def _weight_shapes() -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) in the key layout vLLM expects.
+
+    kind: "w" random normal, "b" bias (small random), "ln" LayerNorm weight
+    (ones), "rms" Gemma RMSNorm weight (stored as w, applied as 1+w: zeros-ish).
+    Names follow what transformers 5 ``save_pretrained`` writes, except the
+    vision tower which gets the ``vision_tower.vision_model.`` prefix vLLM's
+    SiglipVisionModel wants (transformers 5 saves ``vision_tower.embeddings...``).
+    """
+    S: list[tuple[str, tuple[int, ...], str]] = []
+    vt = "model.vision_tower.vision_model."
+    V, VI, T, TI, HD = VISION_HIDDEN, VISION_INTER, TEXT_HIDDEN, TEXT_INTER, HEAD_DIM
+    S += [
+        (vt + "embeddings.patch_embedding.weight", (V, 3, PATCH_SIZE, PATCH_SIZE), "w"),
+        (vt + "embeddings.patch_embedding.bias", (V,), "b"),
+        (vt + "embeddings.position_embedding.weight", (NUM_IMAGE_TOKENS, V), "w"),
+    ]
+    for i in range(VISION_LAYERS):
+        p = f"{vt}encoder.layers.{i}."
+        for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            S += [
+                (p + f"self_attn.{n}.weight", (V, V), "w"),
+                (p + f"self_attn.{n}.bias", (V,), "b"),
+            ]
+        S += [
+            (p + "layer_norm1.weight", (V,), "ln"),
+            (p + "layer_norm1.bias", (V,), "b"),
+            (p + "layer_norm2.weight", (V,), "ln"),
+            (p + "layer_norm2.bias", (V,), "b"),
+            (p + "mlp.fc1.weight", (VI, V), "w"),
+            (p + "mlp.fc1.bias", (VI,), "b"),
+            (p + "mlp.fc2.weight", (V, VI), "w"),
+            (p + "mlp.fc2.bias", (V,), "b"),
+        ]
+    S += [(vt + "post_layernorm.weight", (V,), "ln"), (vt + "post_layernorm.bias", (V,), "b")]
+    S += [
+        ("model.multi_modal_projector.linear.weight", (T, V), "w"),
+        ("model.multi_modal_projector.linear.bias", (T,), "b"),
+    ]
+    lm = "model.language_model."
+    S += [(lm + "embed_tokens.weight", (VOCAB_SIZE, T), "w")]
+    for i in range(TEXT_LAYERS):
+        p = f"{lm}layers.{i}."
+        S += [
+            (p + "self_attn.q_proj.weight", (TEXT_HEADS * HD, T), "w"),
+            (p + "self_attn.k_proj.weight", (TEXT_KV_HEADS * HD, T), "w"),
+            (p + "self_attn.v_proj.weight", (TEXT_KV_HEADS * HD, T), "w"),
+            (p + "self_attn.o_proj.weight", (T, TEXT_HEADS * HD), "w"),
+            (p + "mlp.gate_proj.weight", (TI, T), "w"),
+            (p + "mlp.up_proj.weight", (TI, T), "w"),
+            (p + "mlp.down_proj.weight", (T, TI), "w"),
+            (p + "input_layernorm.weight", (T,), "rms"),
+            (p + "post_attention_layernorm.weight", (T,), "rms"),
+        ]
+    S += [(lm + "norm.weight", (T,), "rms")]
+    return S
+
+
+def _make_weights(seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape, kind in _weight_shapes():
+        if kind == "w":
+            t = torch.randn(shape, generator=g) * INIT_STD
+        elif kind == "b":
+            t = torch.randn(shape, generator=g) * 0.02
+        elif kind == "ln":
+            t = torch.ones(shape)
+        else:  # rms: Gemma applies (1 + w)
+            t = torch.randn(shape, generator=g) * 0.02
+        out[name] = t.to(torch.float32).contiguous()
+    return out
+
+
+def _dump(out_dir: str, name: str, obj) -> None:
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def build_tiny_paligemma(out_dir: str, seed: int = 0) -> str:
+    """Write a tiny random PaliGemma (config, weights, tokenizer, processor) to ``out_dir``.
+
+    Returns the absolute path. Deterministic for a given ``seed``; takes well under a second.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+
+    vocab = _write_tokenizer(out_dir)
+    image_token_id = vocab[IMAGE_TOKEN]
+    _dump(out_dir, "config.json", _config(image_token_id))
+    _dump(
+        out_dir, "generation_config.json", {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+    )
+    _dump(
+        out_dir,
+        "preprocessor_config.json",
+        {
+            "image_processor_type": "SiglipImageProcessor",
+            "processor_class": "PaliGemmaProcessor",
+            "image_seq_length": NUM_IMAGE_TOKENS,
+            "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            "resample": 3,
+            "do_resize": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_convert_rgb": True,
+        },
+    )
+    _dump(out_dir, "processor_config.json", {"processor_class": "PaliGemmaProcessor"})
+
+    state = _make_weights(seed)
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

@@ -1,0 +1,198 @@
+"""The encoder-cache scenario through a real ``vllm.LLM``, with and without ecoffload.
+
+More distinct images than vLLM's own encoder cache keeps, one request each,
+then the first images again. Without a connector vLLM re-runs the encoder
+for them; with ecoffload they come back from the arena. Each run happens in a
+fresh child process (vLLM keeps process-global connector state), on the
+embedded default: a tiny random PaliGemma built locally, on the CPU (or on
+the GPU when vLLM there is a CUDA build).
+
+    python -m ecoffload.profiling.vllm_scenario --connector [--multiprocess]
+
+prints one JSON object: generated token ids per request, encoder runs,
+the connector's counters, time per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .tiny_vlm import NUM_IMAGE_TOKENS, SHIM_DIR, build_tiny_paligemma, pixtral_alias
+
+DEFAULT_IMAGES = 6
+DEFAULT_REPEATS = 2
+# vLLM's encoder cache holds max(max_num_batched_tokens, one item) embeddings:
+# 128 tokens = 2 tiny-PaliGemma images.
+MAX_NUM_BATCHED_TOKENS = 2 * NUM_IMAGE_TOKENS
+
+
+@dataclass
+class ScenarioResult:
+    connector: bool
+    multiprocess: bool
+    requests: list[int] = field(default_factory=list)  # image index of each request
+    token_ids: list[list[int]] = field(default_factory=list)
+    encoder_runs: list[int] = field(default_factory=list)  # per request
+    seconds: list[float] = field(default_factory=list)  # per request
+    connector_stats: dict[str, int] = field(default_factory=dict)
+    load_seconds: float = 0.0
+
+
+def count_encoder_runs(worker: Any) -> int:
+    """collective_rpc target: count freshly encoded items on this worker from now on."""
+    runner = worker.model_runner
+    if not hasattr(runner, "_ecoffload_encoder_runs"):
+        runner._ecoffload_encoder_runs = 0
+        original = runner._cache_encoder_output  # called once per encoded item
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            runner._ecoffload_encoder_runs += 1
+            return original(*args, **kwargs)
+
+        runner._cache_encoder_output = counted
+    return runner._ecoffload_encoder_runs
+
+
+def connector_counts(worker: Any) -> dict[str, int]:
+    """collective_rpc target: the worker-side connector's counters."""
+    from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
+
+    return get_ec_transfer().side.stats() if has_ec_transfer() else {}
+
+
+def make_images(n: int, size: int = 112) -> list:
+    """n distinct deterministic RGB images: three solid colours, then noise."""
+    import numpy as np
+    from PIL import Image
+
+    solids = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
+    images = [Image.new("RGB", (size, size), c) for c in solids[: min(n, 3)]]
+    for i in range(len(images), n):
+        pixels = np.random.default_rng(1000 + i).integers(0, 256, (size, size, 3), np.uint8)
+        images.append(Image.fromarray(pixels, "RGB"))
+    return images
+
+
+def run_here(
+    *,
+    connector: bool,
+    multiprocess: bool,
+    model_dir: str,
+    arena_dir: str,
+    images: int = DEFAULT_IMAGES,
+    repeats: int = DEFAULT_REPEATS,
+) -> ScenarioResult:
+    """Run the scenario in this process (call through :func:`run` for a fresh one)."""
+    pixtral_alias()
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(
+        model=model_dir,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=2,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        limit_mm_per_prompt={"image": 1},
+        enable_prefix_caching=False,  # or the KV prefix cache hides repeats
+        seed=0,
+    )
+    if connector:
+        kwargs["ec_transfer_config"] = {
+            "ec_connector": "ECOffloadConnector",
+            "ec_connector_module_path": "ecoffload.connector",
+            "ec_role": "ec_both",
+            "ec_connector_extra_config": {
+                "arena_bytes": "16MiB",
+                "block_bytes": "16KiB",
+                "arena_dir": arena_dir,
+            },
+        }
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    result = ScenarioResult(connector, multiprocess, load_seconds=time.perf_counter() - t0)
+    pictures = make_images(images)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = llm.collective_rpc(count_encoder_runs)[0]
+    for index in [*range(images), *range(repeats)]:
+        prompt = {"prompt": "describe", "multi_modal_data": {"image": pictures[index]}}
+        t0 = time.perf_counter()
+        (out,) = llm.generate([prompt], greedy, use_tqdm=False)
+        result.seconds.append(time.perf_counter() - t0)
+        runs = llm.collective_rpc(count_encoder_runs)[0]
+        result.requests.append(index)
+        result.token_ids.append(list(out.outputs[0].token_ids))
+        result.encoder_runs.append(runs - before)
+        before = runs
+    if connector:
+        result.connector_stats = llm.collective_rpc(connector_counts)[0]
+    return result
+
+
+def run(
+    *,
+    connector: bool,
+    multiprocess: bool = False,
+    model_dir: str | None = None,
+    arena_dir: str | None = None,
+    timeout_s: float = 600,
+) -> ScenarioResult:
+    """Run the scenario in a fresh Python process and return its result."""
+    with tempfile.TemporaryDirectory(prefix="ecoffload-scenario-") as tmp:
+        model_dir = model_dir or build_tiny_paligemma(os.path.join(tmp, "model"))
+        env = dict(os.environ)
+        env.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+            VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # collective_rpc of our counters
+            PYTHONSAFEPATH="1",  # never import the repository's kernels/ as `kernels`
+            PYTHONPATH=os.pathsep.join(p for p in (SHIM_DIR, env.get("PYTHONPATH")) if p),
+        )
+        cmd = [sys.executable, "-m", "ecoffload.profiling.vllm_scenario", "--json",
+               "--model-dir", model_dir, "--arena-dir", arena_dir or tmp]  # fmt: skip
+        if connector:
+            cmd.append("--connector")
+        if multiprocess:
+            cmd.append("--multiprocess")
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+        if done.returncode or not lines:
+            raise RuntimeError(f"scenario failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        return ScenarioResult(**json.loads(lines[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--connector", action="store_true")
+    parser.add_argument("--multiprocess", action="store_true")
+    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--arena-dir", default=None)
+    parser.add_argument("--json", action="store_true", help="run here, print one JSON line")
+    args = parser.parse_args(argv)
+    if args.json:
+        tmp = tempfile.mkdtemp(prefix="ecoffload-scenario-")
+        result = run_here(
+            connector=args.connector,
+            multiprocess=args.multiprocess,
+            model_dir=args.model_dir or build_tiny_paligemma(os.path.join(tmp, "model")),
+            arena_dir=args.arena_dir or tmp,
+        )
+    else:
+        result = run(connector=args.connector, multiprocess=args.multiprocess)
+    print(json.dumps(asdict(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
