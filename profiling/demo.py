@@ -1,105 +1,68 @@
-"""Demo: an encoder-cache workload through the engine, with a results table.
+"""The main demo: vLLM serving images with and without ecoffload, side by side.
 
-    python -m ecoffload.profiling.demo [--items 48] [--arena-bytes 32MiB] [--device cpu]
+    python -m ecoffload.profiling.demo [--multiprocess]
 
-Simulates a multimodal server: each "request" brings 2-4 images whose encoder
-outputs (``rows x hidden`` bf16) are saved to the arena; the arena holds only
-part of them, so old ones are evicted. Then the first images come back: those
-still in the arena are loaded (one launch per step) instead of being
-recomputed, and each is checked bit for bit against what was saved.
-
-Runs anywhere: on CUDA through the registered arena and the Triton kernels;
-on a CPU-only host through the CPU path (the reference copies, or the Triton
-interpreter when ``TRITON_INTERPRET=1``).
+Runs the scenario of :mod:`.vllm_scenario` twice on the embedded default (a
+tiny random PaliGemma built locally; CPU vLLM here, CUDA vLLM on a GPU host):
+six distinct images while vLLM's own encoder cache keeps two, then the first
+two again. Prints what each run did: encoder runs, items served from the
+arena, bytes moved, hit rate, time per request, and whether the generated
+tokens are identical. Without vLLM installed it falls back to the engine-only
+demo (:mod:`.engine_demo`).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
-import time
+import importlib.util
+import statistics
 
-import torch
-
-from ..engine.cache import OffloadCache
 from ..engine.sizes import format_bytes
+from . import engine_demo, vllm_scenario
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--items", type=int, default=96, help="distinct images")
-    parser.add_argument("--rows", type=int, default=256, help="encoder rows per image")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--arena-bytes", default="32MiB")
-    parser.add_argument("--block-bytes", default="64KiB")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--multiprocess", action="store_true",
+                        help="vLLM's default multi-process mode (slower start-up)")  # fmt: skip
     args = parser.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    arena_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    gen = torch.Generator().manual_seed(0)
-    images = {
-        f"image-{i:03d}": torch.randn(args.rows, args.hidden, generator=gen).to(torch.bfloat16)
-        for i in range(args.items)
-    }
-    images = {k: v.to(device) for k, v in images.items()}
-    item_bytes = args.rows * args.hidden * 2
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM is not installed: running the engine-only demo instead.\n")
+        return engine_demo.main([])
 
-    with OffloadCache.create(
-        f"ecoffload-demo-{os.getpid()}",
-        arena_bytes=args.arena_bytes,
-        block_bytes=args.block_bytes,
-        layout_key={"demo": 1, "hidden": args.hidden, "dtype": "bfloat16"},
-        directory=arena_dir,
-        device=device,
-    ) as cache:
-        print(f"arena: {format_bytes(cache.arena.nbytes)} in {arena_dir} "
-              f"({cache.arena.num_blocks} blocks of {format_bytes(cache.arena.block_bytes)}), "
-              f"device {cache.device}, copy path: {cache.mover.path}")  # fmt: skip
-        print(f"workload: {args.items} images of {args.rows} x {args.hidden} bf16 "
-              f"({format_bytes(item_bytes)} each, {format_bytes(item_bytes * args.items)} "
-              "in all)\n")  # fmt: skip
-        keys = list(images)
-        steps = [keys[i : i + 3] for i in range(0, len(keys), 3)]
-        t0 = time.perf_counter()
-        for step in steps:
-            cache.save({k: images[k] for k in step})
-        cache.flush()
-        save_s = time.perf_counter() - t0
-
-        served = wrong = 0
-        t0 = time.perf_counter()
-        for step in steps:
-            got = cache.load(step)
-            cache.flush()
-            for key, tensor in got.items():
-                served += 1
-                wrong += not torch.equal(tensor, images[key])
-        load_s = time.perf_counter() - t0
-        stats = cache.stats()
-
-    recomputed = args.items - served
+    print("Running vLLM twice on a tiny local PaliGemma (about a minute)...", flush=True)
+    plain = vllm_scenario.run(connector=False, multiprocess=args.multiprocess)
+    offload = vllm_scenario.run(connector=True, multiprocess=args.multiprocess)
+    stats = offload.connector_stats
+    repeats = len(plain.requests) - len(set(plain.requests))
     rows = [
-        ("images requested twice", args.items),
-        ("saved to the arena", stats.items_stored),
-        ("evicted under pressure", stats.evictions),
-        ("served from the arena on 2nd request", served),
-        ("to recompute (evicted)", recomputed),
-        ("hit rate", f"{served / args.items:.0%}"),
-        ("bit-exact loads", f"{served - wrong}/{served}"),
-        ("bytes saved", format_bytes(stats.bytes_stored)),
-        ("bytes loaded", format_bytes(served * item_bytes)),
-        ("save time per step", f"{save_s / len(steps) * 1e3:.2f} ms"),
-        ("load time per step", f"{load_s / len(steps) * 1e3:.2f} ms"),
-    ]
-    width = max(len(r[0]) for r in rows)
-    print("| what | value |\n|---|---|")
-    for name, value in rows:
-        print(f"| {name:<{width}} | {value} |")
-    if wrong:
-        print(f"\nERROR: {wrong} loaded items differ from what was saved")
-        return 1
-    return 0
+        ("requests (distinct images + repeats)",
+         f"{len(plain.requests)} ({len(set(plain.requests))} + {repeats})", None),
+        ("encoder runs", sum(plain.encoder_runs), sum(offload.encoder_runs)),
+        ("items saved to the arena", "-", stats.get("items_saved", 0)),
+        ("items served from the arena", "-", stats.get("items_loaded", 0)),
+        ("bytes saved / loaded", "-",
+         f"{format_bytes(stats.get('bytes_saved', 0))} / "
+         f"{format_bytes(stats.get('bytes_loaded', 0))}"),
+        ("arena hit rate on repeats", "-",
+         f"{stats.get('items_loaded', 0) / repeats:.0%}" if repeats else "-"),
+        ("median time per request", _ms(plain.seconds), _ms(offload.seconds)),
+        ("median time per repeated request", _ms(plain.seconds[-repeats:]),
+         _ms(offload.seconds[-repeats:])),
+        ("LLM start-up", f"{plain.load_seconds:.1f} s", f"{offload.load_seconds:.1f} s"),
+        ("generated tokens identical", "-",
+         "yes" if offload.token_ids == plain.token_ids else "NO"),
+    ]  # fmt: skip
+    mode = "multi-process" if args.multiprocess else "one process"
+    print(f"\nvLLM ({mode}), encoder cache of 2 images, greedy decoding of 8 tokens\n")
+    print("| | without connector | with ecoffload |\n|---|---|---|")
+    for name, left, right in rows:
+        print(f"| {name} | {left} | {'' if right is None else right} |")
+    return 0 if offload.token_ids == plain.token_ids else 1
+
+
+def _ms(seconds: list[float]) -> str:
+    return f"{statistics.median(seconds) * 1e3:.1f} ms" if seconds else "-"
 
 
 if __name__ == "__main__":
