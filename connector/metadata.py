@@ -3,6 +3,7 @@
 Scheduler -> worker, per step (:class:`ECOffloadMetadata`)::
 
     step    sequence number; the worker echoes the steps it processed
+    arena   the arena file's nonce: a worker that mapped another file refuses
     loads   [(key, extents, nbytes, dtype, shape)]  pinned READY items to unpack
     saves   {key: (extents, nbytes)}                WRITING reservations to fill
 
@@ -31,6 +32,7 @@ SaveSpec = tuple[Extents, int]
 @dataclass
 class ECOffloadMetadata(ECConnectorMetadata):
     step: int
+    arena: int = 0
     loads: list[LoadSpec] = field(default_factory=list)
     saves: dict[str, SaveSpec] = field(default_factory=dict)
 

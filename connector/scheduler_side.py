@@ -107,7 +107,9 @@ class SchedulerSide:
             self.catalog.unpin(key)
         self._promised.clear()
         self._step += 1
-        meta = ECOffloadMetadata(self._step, list(self._loads.values()), dict(self._saves))
+        meta = ECOffloadMetadata(
+            self._step, self.arena.nonce, list(self._loads.values()), dict(self._saves)
+        )
         if self._loads or self._saves:
             self._shipped[self._step] = (list(self._saves), list(self._loads))
         self._loads, self._saves = {}, {}

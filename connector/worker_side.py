@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..engine.cache import dtype_from_name, dtype_name
+from ..engine.errors import ArenaError
 from ..engine.transfer import BlockMover, Completion
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
 from .compat import parallel_layout, tensor_parallel_rank, worker_device
@@ -61,6 +62,14 @@ class WorkerSide:
         self._counts: Counter[str] = Counter()
 
     def bind_connector_metadata(self, metadata: ECOffloadMetadata) -> None:
+        if metadata.arena != self.arena.nonce:
+            # Block tables index the scheduler's arena: following them into another
+            # file would serve wrong bytes. Stop loudly instead.
+            raise ArenaError(
+                f"the scheduler's arena (nonce {metadata.arena:#x}) is not the file this "
+                f"worker mapped ({self.arena.path}, nonce {self.arena.nonce:#x}): give every "
+                "process of the instance the same arena_name and arena_dir"
+            )
         self._meta = metadata
         self._steps.add(metadata.step)
 

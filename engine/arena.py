@@ -36,11 +36,17 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
-from .errors import ArenaAttachTimeout, ArenaError, ArenaExistsError, ArenaLayoutMismatch
+from .errors import (
+    ArenaAttachTimeout,
+    ArenaError,
+    ArenaExistsError,
+    ArenaLayoutMismatch,
+    ArenaStaleError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +54,29 @@ MAGIC = b"ECOFFLD\x01"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 DEFAULT_DIR = "/dev/shm"
-# magic, version, header bytes, block bytes, num blocks, data offset, creator pid,
-# expected processes, attached processes, layout key length; the key follows.
-_HEADER = struct.Struct("<8sIIQQQqIII")
-_KEY_OFFSET = 64
+
+
+class Header(NamedTuple):
+    """The arena file's first bytes (little endian); the layout key follows at 128."""
+
+    magic: bytes
+    version: int
+    header_bytes: int
+    block_bytes: int
+    num_blocks: int
+    data_offset: int
+    creator_pid: int
+    creator_start: int  # the creator's start time in clock ticks: tells a reused pid apart
+    nonce: int  # random per file: every process of an instance must see the same one
+    processes: int  # unlink the name once this many processes have mapped the file
+    attached: int
+    key_len: int
+
+
+_HEADER = struct.Struct("<8sIIQQQqQQIII")
+_KEY_OFFSET = 128
 MAX_LAYOUT_KEY_BYTES = HEADER_BYTES - _KEY_OFFSET
-_ATTACHED_OFFSET = struct.calcsize("<8sIIQQQqI")
+_ATTACHED_OFFSET = struct.calcsize("<8sIIQQQqQQI")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -94,12 +117,13 @@ class Arena:
         self.path, self.created = path, created
         self._fd, self._mm = fd, mm
         self._unlinked = False
-        (_, _, _, block_bytes, num_blocks, data_offset, _, _, _, key_len) = _HEADER.unpack_from(mm)
-        self.block_bytes, self.num_blocks, self.data_offset = block_bytes, num_blocks, data_offset
-        self.layout_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + key_len]).decode()
-        self.nbytes = block_bytes * num_blocks
+        header = Header(*_HEADER.unpack_from(mm))
+        self.block_bytes, self.num_blocks = header.block_bytes, header.num_blocks
+        self.nonce = header.nonce
+        self.layout_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + header.key_len]).decode()
+        self.nbytes = header.block_bytes * header.num_blocks
         self.host: torch.Tensor | None = torch.frombuffer(
-            mm, dtype=torch.uint8, count=self.nbytes, offset=data_offset
+            mm, dtype=torch.uint8, count=self.nbytes, offset=header.data_offset
         )
         self.device: torch.Tensor | None = None
         self._registration = None
@@ -158,11 +182,15 @@ class Arena:
             os.fchmod(fd, 0o600)  # the umask may only narrow it; be explicit anyway
             os.ftruncate(fd, total)
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            _populate(mm, data_offset, total, populate_threads, path)
-            _HEADER.pack_into(
-                mm, 0, b"\0" * 8, FORMAT_VERSION, HEADER_BYTES, block_bytes, num_blocks,
-                data_offset, os.getpid(), processes, 1, len(key),
+            # Who is creating it goes first, so an attacher can tell a creator that
+            # died mid-way from one still pre-faulting; the magic goes last.
+            header = Header(
+                b"\0" * 8, FORMAT_VERSION, HEADER_BYTES, block_bytes, num_blocks, data_offset,
+                os.getpid(), process_start_time(os.getpid()) or 0,
+                int.from_bytes(os.urandom(8), "little"), processes, 1, len(key),
             )  # fmt: skip
+            _HEADER.pack_into(mm, 0, *header)
+            _populate(mm, data_offset, total, populate_threads, path)
             mm[_KEY_OFFSET : _KEY_OFFSET + len(key)] = key
             mm[0:8] = MAGIC  # last: attachers treat the header as valid from here on
             arena = cls(path, fd, mm, created=True)
@@ -213,13 +241,26 @@ class Arena:
 
     @classmethod
     def create_or_attach(cls, name: str, **kwargs) -> Arena:
-        """Create the arena, or attach if another process created it first."""
+        """Create the arena, or attach if another process created it first.
+
+        A file left by a creator that died before every process attached
+        (its pid and start time no longer match a live process) is reclaimed:
+        its name is removed (only if it still names that very file) and a new
+        arena is created.
+        """
         create_only = ("processes", "populate_threads")
         attach_only = ("timeout_s",)
-        try:
-            return cls.create(name, **{k: v for k, v in kwargs.items() if k not in attach_only})
-        except ArenaExistsError:
-            return cls.attach(name, **{k: v for k, v in kwargs.items() if k not in create_only})
+        for _ in range(3):
+            try:
+                return cls.create(name, **{k: v for k, v in kwargs.items() if k not in attach_only})
+            except ArenaExistsError:
+                pass
+            try:
+                return cls.attach(name, **{k: v for k, v in kwargs.items() if k not in create_only})
+            except ArenaStaleError as stale:
+                log.warning("%s; reclaiming it", stale)
+                _unlink_if_inode(stale.path, stale.inode)
+        raise ArenaError(f"could not create or attach {name!r}: it keeps changing under us")
 
     @property
     def closed(self) -> bool:
@@ -302,14 +343,9 @@ class Arena:
 
     def _unlink(self) -> None:
         """Remove the name, but only if it still names this very file."""
-        if self._unlinked:
-            return
-        self._unlinked = True
-        try:
-            if os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(self._fd).st_ino:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if not self._unlinked:
+            self._unlinked = True
+            _unlink_if_inode(self.path, os.fstat(self._fd).st_ino)
 
     def _register(self, mode: RegisterMode) -> None:
         if mode == "never":
@@ -408,12 +444,16 @@ def _wait_for_header(path: str, deadline: float, timeout_s: float) -> tuple[int,
                 _check_owner(path, st)
                 if st.st_size >= HEADER_BYTES:
                     mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED)
-                    magic = bytes(mm[0:8])
-                    if magic == MAGIC:
+                    header = Header(*_HEADER.unpack_from(mm))
+                    if header.magic not in (MAGIC, b"\0" * 8):
+                        mm.close()
+                        raise ArenaLayoutMismatch(path, "magic", MAGIC, header.magic)
+                    if header.creator_pid and not creator_alive(header):
+                        mm.close()
+                        raise ArenaStaleError(path, st.st_ino, header.creator_pid)
+                    if header.magic == MAGIC:
                         return fd, mm
                     mm.close()
-                    if magic != b"\0" * 8:
-                        raise ArenaLayoutMismatch(path, "magic", MAGIC, magic)
                     last = "the header is not written yet"
                 else:
                     last = f"the file has {st.st_size} bytes, not yet a header"
@@ -453,25 +493,48 @@ def _check_header(
     layout_key: str | Mapping[str, object] | None,
     file_size: int,
 ) -> None:
-    (_, version, header_bytes, found_block, found_blocks, data_offset, _, _, _, key_len) = (
-        _HEADER.unpack_from(mm)
-    )
+    h = Header(*_HEADER.unpack_from(mm))
     checks = [
-        ("format_version", FORMAT_VERSION, version),
-        ("header_bytes", HEADER_BYTES, header_bytes),
+        ("format_version", FORMAT_VERSION, h.version),
+        ("header_bytes", HEADER_BYTES, h.header_bytes),
     ]
     if block_bytes is not None:
-        checks.append(("block_bytes", block_bytes, found_block))
+        checks.append(("block_bytes", block_bytes, h.block_bytes))
     if num_blocks is not None:
-        checks.append(("num_blocks", num_blocks, found_blocks))
+        checks.append(("num_blocks", num_blocks, h.num_blocks))
     if layout_key is not None:
-        found_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + min(key_len, MAX_LAYOUT_KEY_BYTES)])
+        found_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + min(h.key_len, MAX_LAYOUT_KEY_BYTES)])
         checks.append(
             ("layout_key", layout_key_text(layout_key), found_key.decode(errors="replace"))
         )
     for field_name, expected, found in checks:
         if expected != found:
             raise ArenaLayoutMismatch(path, field_name, expected, found)
-    expected_size = data_offset + found_block * found_blocks
-    if file_size != expected_size or data_offset % mmap.PAGESIZE:
+    expected_size = h.data_offset + h.block_bytes * h.num_blocks
+    if file_size != expected_size or h.data_offset % mmap.PAGESIZE:
         raise ArenaLayoutMismatch(path, "file_size", expected_size, file_size)
+
+
+def process_start_time(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (/proc), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    return int(stat_line.rsplit(b")", 1)[1].split()[19])  # field 22: starttime
+
+
+def creator_alive(header: Header) -> bool:
+    """Whether the process that created the arena still runs (pid reuse excluded)."""
+    start = process_start_time(header.creator_pid)
+    return start is not None and (not header.creator_start or start == header.creator_start)
+
+
+def _unlink_if_inode(path: str, inode: int) -> None:
+    """Remove ``path`` only if it still names the file ``inode`` (never a replacement)."""
+    try:
+        if os.stat(path, follow_symlinks=False).st_ino == inode:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -27,6 +27,17 @@ class ArenaAttachTimeout(ArenaError, TimeoutError):
     """`attach` gave up waiting for the creator to publish a valid header."""
 
 
+class ArenaStaleError(ArenaError):
+    """The arena file's creator died before every process attached: nobody owns it."""
+
+    def __init__(self, path: str, inode: int, pid: int) -> None:
+        self.path, self.inode, self.pid = path, inode, pid
+        super().__init__(
+            f"arena {path} was created by process {pid}, which is gone: the file is stale. "
+            "Remove it (Arena.create_or_attach and the vLLM connector reclaim it themselves)"
+        )
+
+
 class ArenaLayoutMismatch(ArenaError):
     """An existing arena's header disagrees with what this process expects."""
 

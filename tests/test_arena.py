@@ -14,6 +14,7 @@ from ecoffload.engine.errors import (
     ArenaError,
     ArenaExistsError,
     ArenaLayoutMismatch,
+    ArenaStaleError,
 )
 
 B = 4096
@@ -228,3 +229,46 @@ def test_create_or_attach(arena_dir):
     kw = {"directory": arena_dir, "block_bytes": B, "num_blocks": 4}
     with Arena.create_or_attach("c", **kw) as a, Arena.create_or_attach("c", **kw) as b:
         assert a.created and not b.created
+
+
+def _child_create_and_die(arena_dir):
+    a = create(arena_dir, name="stale", processes=2)  # nobody else attaches: name stays
+    a.host[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    os._exit(0)  # no close: as if killed
+
+
+def test_stale_arena_of_a_dead_creator_is_refused_then_reclaimed(arena_dir):
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(target=_child_create_and_die, args=(arena_dir,))
+    child.start()
+    child.join(60)
+    path = os.path.join(arena_dir, "stale")
+    assert os.path.exists(path)
+    with pytest.raises(ArenaStaleError, match="is gone"):
+        Arena.attach("stale", directory=arena_dir, timeout_s=5)
+    with Arena.create_or_attach("stale", directory=arena_dir, block_bytes=B, num_blocks=16) as a:
+        assert a.created and a.host[:4].tolist() == [0, 0, 0, 0]  # a fresh arena
+
+
+def test_creator_that_died_while_initialising_is_detected_without_waiting(arena_dir):
+    path = os.path.join(arena_dir, "half")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, HEADER_BYTES + B)
+    dead = mp.get_context("spawn").Process(target=int)
+    dead.start()
+    dead.join()
+    header = arena_mod.Header(
+        b"\0" * 8, 1, HEADER_BYTES, B, 1, HEADER_BYTES, dead.pid, 1, 7, 2, 1, 0
+    )
+    os.pwrite(fd, arena_mod._HEADER.pack(*header), 0)
+    os.close(fd)
+    with pytest.raises(ArenaStaleError):
+        Arena.attach("half", directory=arena_dir, timeout_s=30)
+    os.unlink(path)
+
+
+def test_every_process_sees_the_same_nonce(arena_dir):
+    with create(arena_dir) as a, Arena.attach("a", directory=arena_dir) as b:
+        assert a.nonce == b.nonce != 0
+    with create(arena_dir) as c:
+        assert c.nonce != a.nonce

@@ -33,7 +33,7 @@ from vllm.v1.request import Request
 from ecoffload.connector import ECOffloadConnector, compat
 from ecoffload.connector.metadata import ECOffloadWorkerMetadata
 from ecoffload.connector.stats import ECOffloadStats
-from ecoffload.engine.errors import ConfigError
+from ecoffload.engine.errors import ArenaError, ConfigError
 
 HIDDEN = 64  # the tiny model's hidden size: one encoder row = 128 bytes of bf16
 
@@ -337,6 +337,14 @@ def test_only_tensor_parallel_rank_0_writes_and_loads_wait_for_every_rank(
     finally:
         for c in (rank1, rank0, sched):
             c.shutdown()
+
+
+def test_worker_refuses_metadata_of_another_arena(pair):
+    sched, worker = pair
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    meta.arena ^= 1  # as if the scheduler had mapped another file
+    with pytest.raises(ArenaError, match="not the file this worker mapped"):
+        worker.bind_connector_metadata(meta)
 
 
 def test_worker_metadata_aggregates_across_ranks():
