@@ -63,7 +63,8 @@ class SchedulerSide:
         self._shipped: dict[int, tuple[list[str], list[str]]] = {}  # step -> (saves, loads)
         self._sizes: dict[str, tuple[str, int]] = {}  # key -> (modality, rows) asked to save
         self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
-        self._load_reports: Counter[str] = Counter()
+        self._load_reports: Counter[str] = Counter()  # rank reports not yet turned into unpins
+        self._loading: Counter[str] = Counter()  # shipped loads still holding a pin
         self._counts: Counter[str] = Counter()
         self._reported: Counter[str] = Counter()
 
@@ -112,6 +113,7 @@ class SchedulerSide:
         )
         if self._loads or self._saves:
             self._shipped[self._step] = (list(self._saves), list(self._loads))
+        self._loading.update(list(self._loads))  # one pin per shipped load
         self._loads, self._saves = {}, {}
         return meta
 
@@ -127,6 +129,8 @@ class SchedulerSide:
                 self.catalog.commit(key)
                 self._counts["items_saved"] += 1
                 self._counts["bytes_saved"] += entry.nbytes
+            else:
+                self._counts["unexpected_reports"] += 1
             self._sizes.pop(key, None)
         for key, nbytes in report.not_saved.items():
             if self.catalog.state(key) is ItemState.WRITING:
@@ -136,12 +140,15 @@ class SchedulerSide:
             if modality is not None and rows and nbytes > 0 and nbytes % rows == 0:
                 self._row_bytes[modality] = nbytes // rows
         for key, ranks in report.loaded.items():
-            self._load_reports[key] += ranks
-            while self._load_reports[key] >= self._load_ranks:
-                self._load_reports[key] -= self._load_ranks
+            if not self._loading[key] or ranks <= 0:
+                self._counts["unexpected_reports"] += 1  # not a load we shipped: ignore
+                continue
+            reports = self._load_reports.pop(key, 0) + ranks
+            while reports >= self._load_ranks and self._loading[key]:
+                reports -= self._load_ranks
                 self._finish_load(key)
-            if not self._load_reports[key]:
-                del self._load_reports[key]
+            if reports and self._loading[key]:
+                self._load_reports[key] = reports
 
     def _settle_steps(self, processed: set[int]) -> None:
         """Forget echoed steps; undo the ones vLLM dropped before the newest echoed one."""
@@ -157,13 +164,19 @@ class SchedulerSide:
                 if self.catalog.state(key) is ItemState.WRITING:
                     self.catalog.abort(key)
             for key in loads:
-                self.catalog.unpin(key)
+                self._release_load(key)
 
     def _finish_load(self, key: str) -> None:
         entry = self.catalog.entry(key)
-        self.catalog.unpin(key)
+        self._release_load(key)
         self._counts["items_loaded"] += 1
         self._counts["bytes_loaded"] += entry.nbytes
+
+    def _release_load(self, key: str) -> None:
+        self._loading[key] -= 1
+        if not self._loading[key]:
+            del self._loading[key]
+        self.catalog.unpin(key)
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
         # Pins and reservations belong to steps, not requests, and are released

