@@ -14,10 +14,20 @@ scheduler and worker processes)::
 Saved items become visible (``ready``) only after their copy has completed:
 ``poll`` commits finished saves and unpins finished loads; ``load`` and
 ``flush`` poll first. A partially written item is never served.
+
+Integrity mode (``integrity=True``, off by default): when a save completes,
+the CRC-32 of the item's bytes in the arena is recorded; ``load`` waits for
+its copy, recomputes the CRC of every loaded tensor (on the host) and drops,
+evicts and counts any item that does not match. It catches corruption of the
+arena after the save (stray writes, a broken pin) and of the load path; it
+costs a host read of every saved byte and, on CUDA, a device-to-host copy of
+every loaded one.
 """
 
 from __future__ import annotations
 
+import logging
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -29,6 +39,8 @@ from .arena import DEFAULT_DIR, Arena, RegisterMode
 from .catalog import Catalog, CatalogStats
 from .sizes import parse_bytes
 from .transfer import BlockMover, Completion
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_BYTES = 64 << 10
 
@@ -56,8 +68,12 @@ def dtype_from_name(name: str) -> torch.dtype:
 class OffloadCache:
     """An arena, its catalog and a mover, in one process."""
 
-    def __init__(self, arena: Arena, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, arena: Arena, device: torch.device | str | None = None, *, integrity: bool = False
+    ) -> None:
         self.arena = arena
+        self.integrity = integrity
+        self.integrity_failures = 0
         self.catalog = Catalog(BlockAllocator(arena.num_blocks, arena.block_bytes))
         self.mover = BlockMover(arena, device)
         self.device = self.mover.device
@@ -75,6 +91,7 @@ class OffloadCache:
         directory: str = DEFAULT_DIR,
         device: torch.device | str | None = None,
         register_cuda: RegisterMode = "auto",
+        integrity: bool = False,
     ) -> OffloadCache:
         """A new cache over a new arena of (at most) ``arena_bytes`` bytes."""
         block = parse_bytes(block_bytes, name="block_bytes")
@@ -88,7 +105,7 @@ class OffloadCache:
             processes=1,  # nobody else attaches: unlink the name at once
             register_cuda=register_cuda,
         )
-        return cls(arena, device)
+        return cls(arena, device, integrity=integrity)
 
     def save(self, items: Mapping[str, torch.Tensor]) -> SaveResult:
         """Reserve blocks for every new key and copy them in one launch.
@@ -145,12 +162,17 @@ class OffloadCache:
                 raise
             keys_loaded = [e.key for e in entries]
             self._pending_loads.append((done, keys_loaded))
+            loaded = dict(zip(keys_loaded, outputs, strict=True))
+            if self.integrity:
+                done.wait()
+                self.poll()
+                loaded = {k: t for k, t in loaded.items() if self._verified(k, t)}
             self.poll()
-            return dict(zip(keys_loaded, outputs, strict=True))
+            return loaded
 
     def poll(self) -> None:
         """Commit saves and unpin loads whose copies have completed."""
-        self._pending_saves = self._finish(self._pending_saves, self.catalog.commit)
+        self._pending_saves = self._finish(self._pending_saves, self._commit)
         self._pending_loads = self._finish(self._pending_loads, self.catalog.unpin)
 
     def flush(self) -> None:
@@ -158,6 +180,27 @@ class OffloadCache:
         for done, _ in self._pending_saves + self._pending_loads:
             done.wait()
         self.poll()
+
+    def _commit(self, key: str) -> None:
+        entry = self.catalog.commit(key)
+        if self.integrity:
+            crc, host = 0, self.arena.host
+            for start, count in entry.extents:
+                begin = start * self.arena.block_bytes
+                end = min(begin + count * self.arena.block_bytes, begin + entry.nbytes)
+                crc = zlib.crc32(host[begin:end].numpy(), crc)
+            entry.checksum = crc
+
+    def _verified(self, key: str, tensor: torch.Tensor) -> bool:
+        data = tensor.reshape(-1).view(torch.uint8).cpu().numpy()
+        entry = self.catalog.entry(key) if self.catalog.state(key) is not None else None
+        if entry is not None and zlib.crc32(data) == entry.checksum:
+            return True
+        self.integrity_failures += 1
+        log.error("ecoffload: %s failed its integrity check; dropping it", key)
+        if entry is not None and entry.pins == 0:
+            self.catalog.evict(key)
+        return False
 
     def stats(self) -> CatalogStats:
         return self.catalog.stats()

@@ -45,6 +45,7 @@ class Entry:
     shape: tuple[int, ...]
     state: ItemState = ItemState.WRITING
     pins: int = 0
+    checksum: int | None = None  # CRC-32 of the bytes, in integrity mode
     blocks: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -182,6 +182,7 @@ class Bench:
         self.dma_per_item()
         self.ecoffload()
         self.small_item()
+        self.integrity_cost()
         self.launch_cpu_time()
         if self.cuda:
             self.interference()
@@ -370,6 +371,33 @@ class Bench:
         self.add("one item", f"{rows} rows, one copy_ (DMA)", "save", n,
                  lambda: host.copy_(item.view(-1).view(torch.uint8), non_blocking=True),
                  reps=30)  # fmt: skip
+
+    def integrity_cost(self) -> None:
+        """Save + load of the step through OffloadCache, integrity mode off and on."""
+        from ..engine.cache import OffloadCache
+
+        keys = {f"item-{i}": t for i, t in enumerate(self.items)}
+        for integrity in (False, True):
+            with OffloadCache.create(
+                f"ecoffload-bench-integrity-{os.getpid()}",
+                arena_bytes=2 * self.step_bytes + BIG_BLOCK * 32,
+                directory=os.path.dirname(self.arena.path),
+                device=self.device,
+                integrity=integrity,
+            ) as cache:
+
+                def round_trip(cache=cache):
+                    for key in keys:  # start empty each time: the save really copies
+                        if cache.catalog.state(key) is not None:
+                            cache.catalog.evict(key)
+                    cache.save(keys)
+                    cache.flush()
+                    got = cache.load(list(keys))
+                    cache.flush()
+                    assert len(got) == len(keys)
+
+                name = f"engine save + load, integrity {'on' if integrity else 'off'}"
+                self.add("integrity", name, "both", 2 * self.step_bytes, round_trip)
 
     def launch_cpu_time(self) -> None:
         """Host time of one 16-item save call (plan, table upload, launch), not waited for."""

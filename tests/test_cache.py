@@ -81,3 +81,22 @@ def test_mover_save_and_load_directly(arena_dir):
         (out,), done = mover.load([[(3, 3)]], [(torch.int32, (3000,))])
         done.wait()
         assert done.done() and torch.equal(out, src)
+
+
+@pytest.mark.parametrize("integrity", [True, False], ids=["integrity-on", "integrity-off"])
+def test_integrity_mode_catches_corrupted_arena_bytes(arena_dir, integrity):
+    with OffloadCache.create("i", arena_bytes=16 * B, block_bytes=B, directory=arena_dir,
+                             integrity=integrity) as cache:  # fmt: skip
+        data = items(3)
+        cache.save(data)
+        got = cache.load(list(data))
+        assert all(torch.equal(got[k], data[k]) for k in data)  # clean loads pass
+        start, _ = cache.catalog.entry("img-1").extents[0]
+        cache.arena.host[start * B + 10] ^= 0xFF  # a stray write after the save
+        got = cache.load(list(data))
+        if integrity:
+            assert set(got) == {"img-0", "img-2"} and cache.integrity_failures == 1
+            assert cache.catalog.state("img-1") is None  # dropped: recomputed next time
+        else:
+            assert not torch.equal(got["img-1"], data["img-1"])  # off: not detected
+        cache.catalog.check()

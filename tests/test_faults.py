@@ -1,0 +1,127 @@
+"""Faults: a writer killed mid-save, a creating process killed, CUDA registration
+that fails. Nothing half-written is ever visible, nothing is left in the arena
+directory, and the fallback is announced once."""
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from ecoffload.engine import arena as arena_mod
+from ecoffload.engine.allocator import BlockAllocator
+from ecoffload.engine.arena import Arena
+from ecoffload.engine.catalog import Catalog
+from ecoffload.engine.errors import ArenaError
+
+pytestmark = pytest.mark.slow
+B = 4096
+
+
+def _slow_writer(arena_dir, extents, ready):
+    with Arena.attach("faults", directory=arena_dir, timeout_s=30, register_cuda="never") as a:
+        start, count = extents[0]
+        a.host[start * B : (start + count // 2) * B] = 0x5A  # half the item...
+        ready.set()
+        time.sleep(60)  # ...then killed before it reports completion
+
+
+def test_writer_killed_mid_save_never_exposes_the_item(arena_dir):
+    ctx = mp.get_context("spawn")
+    with Arena.create("faults", block_bytes=B, num_blocks=16, directory=arena_dir,
+                      register_cuda="never") as arena:  # fmt: skip
+        catalog = Catalog(BlockAllocator(16, B))
+        entry = catalog.reserve("img", 8 * B)
+        ready = ctx.Event()
+        writer = ctx.Process(target=_slow_writer, args=(arena_dir, entry.extents, ready))
+        writer.start()
+        assert ready.wait(60)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(30)
+        assert writer.exitcode == -signal.SIGKILL
+        assert catalog.lookup("img") is None and "img" not in catalog  # never visible
+        catalog.abort("img")  # the completion never came: give the blocks back
+        catalog.check()
+        assert catalog.allocator.free_blocks == 16
+        assert (arena.host[: 4 * B] == 0x5A).all()  # the half-written bytes are there...
+    # ...and a restart starts from an empty catalog over a fresh arena: nothing is served.
+    with Arena.create("faults", block_bytes=B, num_blocks=16, directory=arena_dir,
+                      register_cuda="never") as fresh:  # fmt: skip
+        assert not fresh.host.any()
+
+
+def _creator(arena_dir, processes, ready):
+    arena = Arena.create("crash", block_bytes=B, num_blocks=8, directory=arena_dir,
+                         processes=processes, register_cuda="never")  # fmt: skip
+    ready.set()
+    time.sleep(60)  # killed here, the arena still open
+    arena.close()
+
+
+def _attacher(arena_dir, done):
+    with Arena.attach("crash", directory=arena_dir, timeout_s=30, register_cuda="never"):
+        done.set()
+        time.sleep(60)
+
+
+@pytest.mark.parametrize("all_attached", [True, False], ids=["after-attach", "before-attach"])
+def test_creator_killed_leaves_no_file_and_restart_is_clean(arena_dir, all_attached):
+    ctx = mp.get_context("spawn")
+    ready, attached = ctx.Event(), ctx.Event()
+    creator = ctx.Process(target=_creator, args=(arena_dir, 2, ready))
+    creator.start()
+    assert ready.wait(60)
+    others = []
+    if all_attached:
+        others.append(ctx.Process(target=_attacher, args=(arena_dir, attached)))
+        others[0].start()
+        assert attached.wait(60)
+    os.kill(creator.pid, signal.SIGKILL)
+    creator.join(30)
+    for p in others:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+    if all_attached:
+        assert os.listdir(arena_dir) == []  # unlinked as soon as both had mapped it
+    else:
+        assert os.listdir(arena_dir) == ["crash"]  # the creator died first: stale file
+    with Arena.create_or_attach("crash", block_bytes=B, num_blocks=8, directory=arena_dir,
+                                register_cuda="never") as restarted:  # fmt: skip
+        assert restarted.created
+    assert os.listdir(arena_dir) == []
+
+
+def test_failed_cuda_registration_falls_back_with_one_warning(arena_dir, monkeypatch, caplog):
+    from ecoffload.engine import cuda_host
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered (simulated)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_host, "HostRegistration", refuse)
+    with (
+        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
+        Arena.create("reg", block_bytes=B, num_blocks=4, directory=arena_dir) as a,
+    ):
+        assert not a.registered and a.device is None  # host copies, never wrong data
+        a.host[:4] = 1
+    warnings = [r.getMessage() for r in caplog.records if "registration failed" in r.msg]
+    assert len(warnings) == 1 and "fall back" in warnings[0]
+    with pytest.raises(ArenaError, match="registration .* failed"):
+        Arena.create("reg2", block_bytes=B, num_blocks=4, directory=arena_dir,
+                     register_cuda="always")  # fmt: skip
+    assert os.listdir(arena_dir) == []
+
+
+def test_no_cuda_with_register_always_is_a_clear_error(arena_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ArenaError, match="CUDA is not available"):
+        Arena.create("x", block_bytes=B, num_blocks=4, directory=arena_dir, register_cuda="always")
+    assert os.listdir(arena_dir) == []
+
+
+def test_arena_module_never_imports_cupy_without_cuda():
+    assert "cupy" not in dir(arena_mod)
