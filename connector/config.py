@@ -5,7 +5,7 @@ vLLM at start-up with a message instead of failing a request later.
 
 | key | default | meaning |
 |---|---|---|
-| ``arena_bytes`` | ``"4GiB"`` | arena size: int bytes or a string such as ``"8GiB"`` |
+| ``arena_bytes`` | ``"4GiB"`` | arena size, a multiple of 4 KiB (rounded down to whole blocks) |
 | ``block_bytes`` | ``"64KiB"`` | block size, a multiple of 4 KiB |
 | ``arena_dir`` | ``"/dev/shm"`` | directory of the arena file (must exist) |
 | ``arena_name`` | ``"ecoffload-<engine_id>"`` | file name; must be identical in every process |
@@ -59,6 +59,11 @@ class OffloadConfig:
         if block % 4096:
             raise ConfigError(f"block_bytes must be a multiple of 4096 (4 KiB), got {block}")
         arena = parse_bytes(values["arena_bytes"], name="arena_bytes")
+        if arena % 4096:
+            raise ConfigError(
+                f"arena_bytes must be a multiple of the page size (4096), got {arena}: "
+                "use a value such as '512MiB' or '8GiB'"
+            )
         if arena < block:
             raise ConfigError(
                 f"arena_bytes ({arena}) is smaller than one block ({block}): raise arena_bytes"

@@ -155,17 +155,28 @@ def test_factory_builds_both_roles_from_the_documented_config(arena_dir, model_c
         ({"arena_bytes": "lots"}, "cannot read 'lots'"),
         ({"arena_bytes": 0}, "must be positive"),
         ({"block_bytes": 1000}, "multiple of 4096"),
-        ({"arena_bytes": "1KiB"}, "smaller than one block"),
+        ({"arena_bytes": "16KiB", "block_bytes": "64KiB"}, "smaller than one block"),
         ({"arena_name": "../etc"}, "not allowed"),
         ({"arena_dir": "/nonexistent/dir"}, "existing directory"),
         ({"num_programs": 0}, "positive int"),
+        ({"arena_bytes": 1_000_000}, "multiple of the page size"),
+        ({"block_bytes": "-64KiB"}, "cannot read"),
+        ({"arena_name": "a/b"}, "not allowed"),
     ],
     ids=["unknown-key", "bad-size", "zero-size", "block-not-4k", "arena-too-small",
-         "name-with-dots", "missing-dir", "zero-programs"],
+         "name-with-dots", "missing-dir", "zero-programs", "arena-not-page-multiple",
+         "negative-block", "name-with-slash"],
 )  # fmt: skip
 def test_bad_extra_config_fails_at_start_up(arena_dir, extra, match):
     config = make_config(arena_dir, **extra)
     with pytest.raises(ConfigError, match=match):
+        ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    assert os.listdir(arena_dir) == []
+
+
+def test_arena_larger_than_free_space_fails_at_start_up(arena_dir):
+    config = make_config(arena_dir, arena_bytes="1024TiB")
+    with pytest.raises(ArenaError, match="free"):
         ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
     assert os.listdir(arena_dir) == []
 
