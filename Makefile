@@ -21,7 +21,7 @@ PY := $(VENV)/bin/python
 export PYTHONSAFEPATH := 1
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-alloc lint gpu-check clean
+.PHONY: demo test soak bench bench-alloc gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+# The long profiles: >= 100,000 engine operations, a 2-minute multi-process soak.
+soak: $(STAMP)
+	HYPOTHESIS_PROFILE=long ECOFFLOAD_SOAK_SECONDS=120 \
+	  $(PY) -m pytest -q -s -p no:cacheprovider tests/test_engine_stateful.py tests/test_soak.py
 
 bench: $(STAMP)
 	$(PY) -m ecoffload.profiling.bench

@@ -110,28 +110,23 @@ class OffloadCache:
     def save(self, items: Mapping[str, torch.Tensor]) -> SaveResult:
         """Reserve blocks for every new key and copy them in one launch.
 
-        Keys already cached (or being saved) are skipped; keys that find no
-        room even after eviction are skipped and reported: an offload cache
-        never fails the caller for lack of space.
+        Keys already cached (or being saved) are skipped, and stay cached: the
+        batch's own reservations never evict them. Keys that find no room even
+        after eviction are skipped and reported: an offload cache never fails
+        the caller for lack of space.
         """
         with nvtx_range("ecoffload.cache.save"):
             self.poll()
             result, sources, tables = SaveResult(), [], []
-            for key, tensor in items.items():
-                if self.catalog.state(key) is not None:
-                    result.already_cached.append(key)
-                    continue
-                nbytes = tensor.numel() * tensor.element_size()
-                with nvtx_range("ecoffload.reserve"):
-                    entry = self.catalog.reserve(
-                        key, nbytes, dtype_name(tensor.dtype), tensor.shape
-                    )
-                if entry is None:
-                    result.no_room.append(key)
-                    continue
-                result.saved.append(key)
-                sources.append(tensor)
-                tables.append(entry.extents)
+            result.already_cached = [k for k in items if self.catalog.state(k) is not None]
+            ready = [k for k in result.already_cached if k in self.catalog]
+            for key in ready:  # protected while this batch reserves
+                self.catalog.pin(key)
+            try:
+                self._reserve_batch(items, result, sources, tables)
+            finally:
+                for key in ready:
+                    self.catalog.unpin(key)
             if not sources:
                 return result
             try:
@@ -143,6 +138,27 @@ class OffloadCache:
             self._pending_saves.append((done, result.saved))
             self.poll()
             return result
+
+    def _reserve_batch(
+        self,
+        items: Mapping[str, torch.Tensor],
+        result: SaveResult,
+        sources: list[torch.Tensor],
+        tables: list,
+    ) -> None:
+        for key, tensor in items.items():
+            if key in result.already_cached:
+                continue
+            with nvtx_range("ecoffload.reserve"):
+                entry = self.catalog.reserve(
+                    key, tensor.nbytes, dtype_name(tensor.dtype), tensor.shape
+                )
+            if entry is None:
+                result.no_room.append(key)
+                continue
+            result.saved.append(key)
+            sources.append(tensor)
+            tables.append(entry.extents)
 
     def load(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Tensors of the ready keys among ``keys`` (misses are left out), in one launch."""

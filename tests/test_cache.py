@@ -100,3 +100,15 @@ def test_integrity_mode_catches_corrupted_arena_bytes(arena_dir, integrity):
         else:
             assert not torch.equal(got["img-1"], data["img-1"])  # off: not detected
         cache.catalog.check()
+
+
+def test_a_batch_never_evicts_its_own_already_cached_items(arena_dir):
+    # Found by the long engine state machine: k0 was reported "already cached"
+    # and then evicted by the reservation of k1 in the same call.
+    with OffloadCache.create("b", arena_bytes=4 * B, block_bytes=B, directory=arena_dir) as c:
+        c.save({"k0": torch.zeros(10, dtype=torch.uint8)})
+        c.save({"big": torch.zeros(3 * B, dtype=torch.uint8)})
+        result = c.save({"k1": torch.ones(B, dtype=torch.uint8), "k0": torch.zeros(10)})
+        assert result.already_cached == ["k0"] and "k0" in c.catalog
+        assert result.saved == ["k1"] and c.catalog.state("big") is None  # big was evicted
+        assert c.catalog.entry("k0").pins == 0
