@@ -272,3 +272,11 @@ def test_every_process_sees_the_same_nonce(arena_dir):
         assert a.nonce == b.nonce != 0
     with create(arena_dir) as c:
         assert c.nonce != a.nonce
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the file to another user")
+def test_attach_refuses_a_file_of_another_user(arena_dir):
+    with create(arena_dir) as a:
+        os.chown(a.path, 65534, 65534)
+        with pytest.raises(ArenaError, match="belongs to uid 65534"):
+            Arena.attach("a", directory=arena_dir, timeout_s=0.1)

@@ -209,3 +209,11 @@ def test_non_contiguous_source_is_refused():
     src = torch.zeros(8, 8, device=DEVICE).t()
     with pytest.raises(ValueError, match="contiguous"):
         pack([src], [[(0, 1)]], torch.zeros(B, dtype=torch.uint8, device=DEVICE), B)
+
+
+def test_tensor_on_another_device_is_refused():
+    src = torch.empty(64, dtype=torch.uint8, device="meta")
+    arena = torch.full((2 * B,), POISON, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(PlanError, match="is on meta"):
+        pack([src], [[(0, 1)]], arena, B, backend="triton")
+    assert (arena == POISON).all()
