@@ -106,9 +106,7 @@ def empty_items(
     Each item starts at a multiple of 256 bytes, so :func:`unpack` writes all
     of them in place with full-width accesses.
     """
-    sizes = [
-        torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for dt, shape in specs
-    ]
+    sizes = [torch.Size(shape).numel() * dt.itemsize for dt, shape in specs]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
