@@ -164,7 +164,8 @@ class SchedulerSide:
                 if self.catalog.state(key) is ItemState.WRITING:
                     self.catalog.abort(key)
             for key in loads:
-                self._release_load(key)
+                if self._loading[key]:  # not already released by a (stray) report
+                    self._release_load(key)
 
     def _finish_load(self, key: str) -> None:
         entry = self.catalog.entry(key)

@@ -27,6 +27,14 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# CI replays the same examples every run (a red CI must be reproducible);
+# locally hypothesis explores new ones each time.
+if os.environ.get("CI"):
+    from hypothesis import settings
+
+    settings.register_profile("ecoffload-ci", derandomize=True, database=None)
+    settings.load_profile("ecoffload-ci")
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device")
