@@ -22,8 +22,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig, empty_items, pack, unpack
-from ..kernels.pack import triton_available
+from ..kernels import (
+    PACK_CONFIG,
+    UNPACK_CONFIG,
+    LaunchConfig,
+    empty_items,
+    pack,
+    triton_available,
+    unpack,
+)
 from ..profiling.nvtx import nvtx_range
 from .arena import Arena
 

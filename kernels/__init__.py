@@ -7,7 +7,7 @@ Set ``TRITON_INTERPRET=1`` before importing it to run the same kernels on CPU
 tensors under the Triton interpreter.
 """
 
-from .pack import (
+from .api import (
     PACK_CONFIG,
     UNPACK_CONFIG,
     LaunchConfig,

@@ -85,9 +85,15 @@ def plan_copy(
             f"arena of {arena_bytes} bytes is not a whole number of {block_bytes}-byte blocks"
         )
     num_blocks = arena_bytes // block_bytes
-    segments: list[tuple[int, int, int]] = []
-    owned: list[tuple[int, int, int]] = []  # (start, count, item) to find blocks given twice
+    # Inside an item every extent starts a whole number of blocks in, so the
+    # widest access is set by the item offsets, the bases and the block size.
     align_bits = base_alignment | block_bytes | MAX_VEC_BYTES
+    for offset in item_offsets:
+        align_bits |= offset
+    vec = align_bits & -align_bits
+    flat = array("q")
+    owned: list[tuple[int, int, int]] = []  # (start, count, item) to find blocks given twice
+    first_tile = total = 0
     for item, (offset, nbytes, table) in enumerate(
         zip(item_offsets, item_nbytes, tables, strict=True)
     ):
@@ -109,25 +115,20 @@ def plan_copy(
                     "a whole extent would stay unwritten; give each item exactly its blocks"
                 )
             take = min(count * block_bytes, nbytes - pos)
-            segments.append((offset + pos, start * block_bytes, take))
+            flat.extend((offset + pos, start * block_bytes, take, first_tile))
             owned.append((start, count, item))
-            align_bits |= offset + pos
+            tail = take % vec
+            first_tile += -(-(take - tail) // tile_bytes) + (tail != 0)
             pos += take
         if pos < nbytes:
             raise PlanError(
                 f"item {item} has {nbytes} bytes but its block table covers only {pos} "
                 f"({pos // block_bytes} blocks of {block_bytes})"
             )
+        total += nbytes
     _check_disjoint(owned)
-    vec = align_bits & -align_bits
-    flat = array("q")
-    first_tile = 0
-    for item_offset, arena_offset, nbytes in segments:
-        flat.extend((item_offset, arena_offset, nbytes, first_tile))
-        tail = nbytes % vec
-        first_tile += -(-(nbytes - tail) // tile_bytes) + (tail != 0)
     table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-    return CopyPlan(table.view(-1, 4), vec, tile_bytes, first_tile, sum(s[2] for s in segments))
+    return CopyPlan(table.view(-1, 4), vec, tile_bytes, first_tile, total)
 
 
 def _check_disjoint(owned: list[tuple[int, int, int]]) -> None:

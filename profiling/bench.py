@@ -326,14 +326,14 @@ class Bench:
 
     def kernel_only(self, sources, tables, config: LaunchConfig, to_arena: bool):
         """A launch with its plan built beforehand: the kernel's own time, on the side stream."""
+        from ..kernels.api import _alignment, _item_layout
         from ..kernels.block_copy import launch_block_copy
-        from ..kernels.pack import _alignment, _item_layout
         from ..kernels.plan import plan_copy
 
         arena = self.arena.device_view(self.device)
-        base, offsets, span = _item_layout(list(sources))
+        base, offsets, sizes, span = _item_layout(list(sources))
         plan = plan_copy(
-            offsets, [t.nbytes for t in sources], tables, block_bytes=self.unit,
+            offsets, sizes, tables, block_bytes=self.unit,
             arena_bytes=arena.numel(), items_bytes=span, tile_bytes=config.tile_bytes,
             base_alignment=_alignment(base.data_ptr()) & _alignment(arena.data_ptr()),
         )  # fmt: skip

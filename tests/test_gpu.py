@@ -91,7 +91,7 @@ def test_load_is_ordered_before_the_next_kernel_on_the_callers_stream(arena):
 
 def test_save_waits_for_the_producer_on_the_callers_stream(arena):
     mover = BlockMover(arena, "cuda")
-    a = torch.randn(2048, 2048, device="cuda")
+    a = torch.randn(512, 512, device="cuda")  # 1 MiB: 256 of the 1024 blocks
     for i in range(5):
         src = (a @ a).mul_(0).add_(i)  # produced by kernels still in flight
         mover.save([src], [[(0, src.nbytes // B)]]).wait()

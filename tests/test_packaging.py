@@ -35,7 +35,7 @@ def test_fresh_interpreter_imports_subpackages_but_no_top_level_ones(tmp_path):
     )
     out = run_outside_repo(code, tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ecoffload.kernels.pack"
+    assert out.stdout.strip() == "ecoffload.kernels.api"
 
 
 def test_allocator_and_catalog_do_not_import_torch(tmp_path):

@@ -140,8 +140,7 @@ def _run(
         backend = "triton" if triton_available(arena.device) else "reference"
     if backend not in ("triton", "reference"):
         raise PlanError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    base, offsets, span = _item_layout(tensors)
-    nbytes = [t.nbytes for t in tensors]
+    base, offsets, nbytes, span = _item_layout(tensors)
     base_ptr = base.data_ptr() if base is not None else 0
     plan = plan_copy(
         offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
@@ -170,24 +169,29 @@ def _run(
                           num_programs=config.num_programs, num_warps=config.num_warps)  # fmt: skip
 
 
-def _item_layout(tensors: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[int], int]:
-    """(base, offsets, span): the lowest-addressed non-empty item as a flat uint8
-    tensor, each item's byte offset from it, and the bytes from base to the end
-    of the highest item."""
+def _item_layout(
+    tensors: list[torch.Tensor],
+) -> tuple[torch.Tensor | None, list[int], list[int], int]:
+    """(base, offsets, sizes, span): the lowest-addressed non-empty item as a flat
+    uint8 tensor, each item's byte offset from it and byte size, and the bytes
+    from base to the end of the highest item."""
+    ptrs, sizes = [], []
     for i, t in enumerate(tensors):
         if not t.is_contiguous():
             raise PlanError(
                 f"tensor {i} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
                 "call .contiguous() first"
             )
-    nonempty = [t for t in tensors if t.nbytes]
+        ptrs.append(t.data_ptr())
+        sizes.append(t.nbytes)
+    nonempty = [i for i, n in enumerate(sizes) if n]
     if not nonempty:
-        return None, [0] * len(tensors), 0
-    lowest = min(nonempty, key=torch.Tensor.data_ptr)
-    start = lowest.data_ptr()
-    offsets = [t.data_ptr() - start if t.nbytes else 0 for t in tensors]
-    span = max(o + t.nbytes for o, t in zip(offsets, tensors, strict=True))
-    return byte_view(lowest), offsets, span
+        return None, [0] * len(tensors), sizes, 0
+    lowest = min(nonempty, key=ptrs.__getitem__)
+    start = ptrs[lowest]
+    offsets = [p - start if n else 0 for p, n in zip(ptrs, sizes, strict=True)]
+    span = max(o + n for o, n in zip(offsets, sizes, strict=True))
+    return byte_view(tensors[lowest]), offsets, sizes, span
 
 
 def _alignment(address: int) -> int:
