@@ -25,7 +25,6 @@ from .errors import (
     InvalidSizeError,
     ItemStateError,
     ItemTooLargeError,
-    TransferError,
     UnknownItemError,
 )
 from .sizes import format_bytes, parse_bytes
@@ -69,7 +68,6 @@ __all__ = [
     "ItemTooLargeError",
     "OffloadCache",
     "SaveResult",
-    "TransferError",
     "UnknownItemError",
     "format_bytes",
     "parse_bytes",

@@ -72,7 +72,3 @@ class UnknownItemError(CatalogError, KeyError):
 
 class ItemStateError(CatalogError):
     """An operation is not allowed in the item's current state or pin count."""
-
-
-class TransferError(ECOffloadError, ValueError):
-    """Tensors or block tables handed to a copy are unusable as given."""
