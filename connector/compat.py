@@ -90,6 +90,15 @@ def parallel_layout(vllm_config: Any) -> tuple[int, int]:
     return tp, tp * pp
 
 
+def arena_suffix(vllm_config: Any) -> str:
+    """``-dp<rank>`` for data-parallel ranks: each has its own scheduler (catalog),
+    while 0.32 gives them all the same ec_transfer_config.engine_id."""
+    parallel = vllm_config.parallel_config
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1:
+        return ""
+    return f"-dp{int(getattr(parallel, 'data_parallel_rank', 0) or 0)}"
+
+
 def tensor_parallel_rank() -> int:
     """This worker's tensor-parallel rank (0 when model parallelism is not set up)."""
     from vllm.distributed import parallel_state

@@ -8,7 +8,7 @@ vLLM at start-up with a message instead of failing a request later.
 | ``arena_bytes`` | ``"4GiB"`` | arena size, a multiple of 4 KiB (rounded down to whole blocks) |
 | ``block_bytes`` | ``"64KiB"`` | block size, a multiple of 4 KiB |
 | ``arena_dir`` | ``"/dev/shm"`` | directory of the arena file (must exist) |
-| ``arena_name`` | ``"ecoffload-<engine_id>"`` | file name; must be identical in every process |
+| ``arena_name`` | ``"ecoffload-<engine_id>"`` | file name (``-dp<rank>`` added per DP rank) |
 | ``num_programs`` | kernel defaults (8 save, 16 load) | persistent programs per launch |
 """
 
@@ -45,8 +45,14 @@ class OffloadConfig:
         return self.arena_bytes // self.block_bytes
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, engine_id: str) -> OffloadConfig:
-        """Validate ``ec_connector_extra_config``; ``engine_id`` names the default arena."""
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, *, engine_id: str, suffix: str = ""
+    ) -> OffloadConfig:
+        """Validate ``ec_connector_extra_config``; ``engine_id`` names the default arena.
+
+        ``suffix`` is appended to the arena name (e.g. ``-dp1`` for a data-parallel
+        rank, which has its own scheduler and so needs its own arena).
+        """
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(DEFAULTS))
         if unknown:
@@ -71,7 +77,10 @@ class OffloadConfig:
         arena_dir = values["arena_dir"]
         if not isinstance(arena_dir, str) or not os.path.isdir(arena_dir):
             raise ConfigError(f"arena_dir must be an existing directory, got {arena_dir!r}")
-        name = values["arena_name"] or f"ecoffload-{engine_id}"
+        name = values["arena_name"]
+        if name is not None and not isinstance(name, str):
+            raise ConfigError(f"arena_name must be a string, got {type(name).__name__} {name!r}")
+        name = (name or f"ecoffload-{engine_id}") + suffix
         try:
             check_arena_name(name)
         except ArenaError as exc:

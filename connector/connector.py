@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..profiling.nvtx import traced
-from .compat import ECConnectorBase, ECConnectorRole
+from .compat import ECConnectorBase, ECConnectorRole, arena_suffix
 from .config import OffloadConfig
 from .scheduler_side import SchedulerSide
 from .stats import ECOffloadStats
@@ -29,7 +29,9 @@ class ECOffloadConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         transfer = vllm_config.ec_transfer_config
         config = OffloadConfig.from_extra_config(
-            transfer.ec_connector_extra_config, engine_id=str(transfer.engine_id)
+            transfer.ec_connector_extra_config,
+            engine_id=str(transfer.engine_id),
+            suffix=arena_suffix(vllm_config),
         )
         side = SchedulerSide if role == ECConnectorRole.SCHEDULER else WorkerSide
         self.side: SchedulerSide | WorkerSide = side(vllm_config, config)

@@ -48,6 +48,11 @@ class SchedulerSide:
         self.arena = open_shared_arena(
             config, vllm_config, processes=1 + workers, register_cuda="never"
         )
+        try:
+            self.arena.claim_ownership()  # one catalog per arena, or blocks get shared
+        except BaseException:
+            self.arena.close()
+            raise
         self.catalog = Catalog(BlockAllocator(self.arena.num_blocks, self.arena.block_bytes))
         self._saves_enabled = self.producer and worker_meta_reaches_scheduler(vllm_config)
         if self.producer and not self._saves_enabled:

@@ -71,12 +71,16 @@ class Header(NamedTuple):
     processes: int  # unlink the name once this many processes have mapped the file
     attached: int
     key_len: int
+    owner_pid: int  # the single catalog owner (see Arena.claim_ownership), 0 if none
+    owner_start: int
 
 
-_HEADER = struct.Struct("<8sIIQQQqQQIII")
+_HEADER = struct.Struct("<8sIIQQQqQQIIIqQ")
 _KEY_OFFSET = 128
 MAX_LAYOUT_KEY_BYTES = HEADER_BYTES - _KEY_OFFSET
 _ATTACHED_OFFSET = struct.calcsize("<8sIIQQQqQQI")
+_OWNER_OFFSET = struct.calcsize("<8sIIQQQqQQIIIq") - 8
+_OWNER = struct.Struct("<qQ")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -187,7 +191,7 @@ class Arena:
             header = Header(
                 b"\0" * 8, FORMAT_VERSION, HEADER_BYTES, block_bytes, num_blocks, data_offset,
                 os.getpid(), process_start_time(os.getpid()) or 0,
-                int.from_bytes(os.urandom(8), "little"), processes, 1, len(key),
+                int.from_bytes(os.urandom(8), "little"), processes, 1, len(key), 0, 0,
             )  # fmt: skip
             _HEADER.pack_into(mm, 0, *header)
             _populate(mm, data_offset, total, populate_threads, path)
@@ -329,6 +333,28 @@ class Arena:
     def attached_processes(self) -> int:
         """How many processes have mapped the arena so far (creator included)."""
         return struct.unpack_from("<I", self._mm, _ATTACHED_OFFSET)[0]
+
+    def claim_ownership(self) -> None:
+        """Record this process as the arena's one catalog owner, or refuse.
+
+        Blocks are handed out by a catalog; two catalogs over one arena would
+        give the same blocks to different items. The first live claimant
+        (vLLM's scheduler) owns the arena; another process claiming it while the
+        owner lives gets an ArenaError.
+        """
+        me = (os.getpid(), process_start_time(os.getpid()) or 0)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            owner = _OWNER.unpack_from(self._mm, _OWNER_OFFSET)
+            if owner[0] and owner != me and _alive(*owner):
+                raise ArenaError(
+                    f"arena {self.path} already has a catalog owner (process {owner[0]}): "
+                    "every serving instance, and every data-parallel rank, needs its own "
+                    "arena_name"
+                )
+            _OWNER.pack_into(self._mm, _OWNER_OFFSET, *me)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _count_attach(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_EX)  # read-modify-write across processes
@@ -527,8 +553,12 @@ def process_start_time(pid: int) -> int | None:
 
 def creator_alive(header: Header) -> bool:
     """Whether the process that created the arena still runs (pid reuse excluded)."""
-    start = process_start_time(header.creator_pid)
-    return start is not None and (not header.creator_start or start == header.creator_start)
+    return _alive(header.creator_pid, header.creator_start)
+
+
+def _alive(pid: int, start_ticks: int) -> bool:
+    start = process_start_time(pid)
+    return start is not None and (not start_ticks or start == start_ticks)
 
 
 def _unlink_if_inode(path: str, inode: int) -> None:

@@ -258,7 +258,7 @@ def test_creator_that_died_while_initialising_is_detected_without_waiting(arena_
     dead.start()
     dead.join()
     header = arena_mod.Header(
-        b"\0" * 8, 1, HEADER_BYTES, B, 1, HEADER_BYTES, dead.pid, 1, 7, 2, 1, 0
+        b"\0" * 8, 1, HEADER_BYTES, B, 1, HEADER_BYTES, dead.pid, 1, 7, 2, 1, 0, 0, 0
     )
     os.pwrite(fd, arena_mod._HEADER.pack(*header), 0)
     os.close(fd)
@@ -280,3 +280,24 @@ def test_attach_refuses_a_file_of_another_user(arena_dir):
         os.chown(a.path, 65534, 65534)
         with pytest.raises(ArenaError, match="belongs to uid 65534"):
             Arena.attach("a", directory=arena_dir, timeout_s=0.1)
+
+
+def _claim(arena_dir, result):
+    with Arena.attach("a", directory=arena_dir, timeout_s=10) as b:
+        try:
+            b.claim_ownership()
+            result.put("claimed")
+        except ArenaError as exc:
+            result.put(str(exc))
+
+
+def test_one_catalog_owner_per_arena(arena_dir):
+    with create(arena_dir) as a:
+        a.claim_ownership()
+        a.claim_ownership()  # the owner may claim again
+        ctx = mp.get_context("spawn")
+        result = ctx.Queue()
+        other = ctx.Process(target=_claim, args=(arena_dir, result))
+        other.start()
+        assert "already has a catalog owner" in result.get(timeout=60)
+        other.join(30)

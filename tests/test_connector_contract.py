@@ -36,6 +36,7 @@ from vllm.v1.request import Request
 from ecoffload.connector import ECOffloadConnector, compat
 from ecoffload.connector.metadata import ECOffloadWorkerMetadata
 from ecoffload.connector.stats import ECOffloadStats
+from ecoffload.engine import arena as arena_mod
 from ecoffload.engine.errors import ArenaError, ConfigError
 
 HIDDEN = 64  # the tiny model's hidden size: one encoder row = 128 bytes of bf16
@@ -147,6 +148,33 @@ def test_factory_builds_both_roles_from_the_documented_config(arena_dir, model_c
     assert sched.side.arena.num_blocks == 64 and worker.side.arena.block_bytes == 4096
     worker.shutdown()
     sched.shutdown()
+
+
+def test_each_data_parallel_rank_gets_its_own_arena(arena_dir, model_config):
+    names = set()
+    config = make_config(arena_dir, model_config=model_config)
+    config.parallel_config.data_parallel_size = 2
+    for rank in (0, 1):  # same engine_id for both ranks, as vLLM 0.32 does
+        config.parallel_config.data_parallel_rank = rank
+        sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+        names.add(os.path.basename(sched.side.arena.path))
+        sched.shutdown()
+    engine_id = config.ec_transfer_config.engine_id
+    assert names == {f"ecoffload-{engine_id}-dp0", f"ecoffload-{engine_id}-dp1"}
+
+
+def test_two_schedulers_never_share_one_arena(arena_dir, model_config):
+    config = make_config(arena_dir, model_config=model_config)
+    first = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    try:
+        # In one process the second claim is the same owner; simulate another
+        # process by faking the recorded owner as a live foreign process.
+        arena_mod._OWNER.pack_into(first.side.arena._mm, arena_mod._OWNER_OFFSET, 1, 0)
+        with pytest.raises(ArenaError, match="already has a catalog owner"):
+            ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    finally:
+        first.shutdown()
+    assert os.listdir(arena_dir) == []
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ecoffload.connector.config import DEFAULTS, OffloadConfig
@@ -47,6 +47,7 @@ def test_parse_bytes_units(n, unit):
     assert parse_bytes(f"{n}{unit}") == n * scale[unit]
 
 
+@example(extra={"arena_name": 1})  # found by this test: a non-string name crashed
 @settings(max_examples=300, deadline=None)
 @given(extra=st.dictionaries(st.one_of(st.sampled_from(sorted(DEFAULTS)), st.text(max_size=8)),
                              st.one_of(ANY_VALUE, SIZE_TEXT), max_size=5))  # fmt: skip
@@ -72,6 +73,8 @@ HEADER_FIELDS = st.tuples(
     st.integers(0, 2**32 - 1),
     st.integers(0, 2**32 - 1),
     st.sampled_from([0, 5, 4000, 2**32 - 1]),  # key length
+    st.sampled_from([0, os.getpid(), 2**31 - 1]),  # owner pid
+    st.integers(0, 2**64 - 1),  # owner start
 )
 
 
@@ -128,6 +131,6 @@ def test_block_tables_are_planned_in_bounds_or_refused_untouched(sizes, tables):
 
 
 def test_header_struct_is_what_the_fuzzer_packs():
-    assert arena_mod._HEADER.size == struct.calcsize("<8sIIQQQqQQIII") <= 128
+    assert arena_mod._HEADER.size == struct.calcsize("<8sIIQQQqQQIIIqQ") <= 128
     with pytest.raises(struct.error):
-        arena_mod._HEADER.pack(MAGIC, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        arena_mod._HEADER.pack(MAGIC, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
