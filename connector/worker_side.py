@@ -26,7 +26,7 @@ import torch
 
 from ..engine.cache import dtype_from_name, dtype_name
 from ..engine.errors import ArenaError
-from ..engine.transfer import BlockMover, Completion
+from ..engine.transfer import BlockMover, Completion, split_completed
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
 from .compat import parallel_layout, tensor_parallel_rank, worker_device
 from .config import OffloadConfig
@@ -112,20 +112,12 @@ class WorkerSide:
         self._flush_saves()
         report = ECOffloadWorkerMetadata(steps=self._steps, not_saved=self._not_saved)
         self._steps, self._not_saved = set(), {}
-        still: list = []
-        for done, saved in self._pending_saves:
-            if done.done():
-                report.saved.update(saved)
-            else:
-                still.append((done, saved))
-        self._pending_saves = still
-        loads_left: list = []
-        for done, keys in self._pending_loads:
-            if done.done():
-                report.loaded.update(Counter(keys))
-            else:
-                loads_left.append((done, keys))
-        self._pending_loads = loads_left
+        saved, self._pending_saves = split_completed(self._pending_saves)
+        for batch in saved:
+            report.saved.update(batch)
+        loaded, self._pending_loads = split_completed(self._pending_loads)
+        for keys in loaded:
+            report.loaded.update(keys)
         return report
 
     def _flush_saves(self) -> None:

@@ -38,7 +38,7 @@ from .allocator import BlockAllocator
 from .arena import DEFAULT_DIR, Arena, RegisterMode
 from .catalog import Catalog, CatalogStats
 from .sizes import parse_bytes
-from .transfer import BlockMover, Completion
+from .transfer import BlockMover, Completion, split_completed
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +181,9 @@ class OffloadCache:
             loaded = dict(zip(keys_loaded, outputs, strict=True))
             if self.integrity:
                 done.wait()
-                self.poll()
-                loaded = {k: t for k, t in loaded.items() if self._verified(k, t)}
             self.poll()
+            if self.integrity:
+                loaded = {k: t for k, t in loaded.items() if self._verified(k, t)}
             return loaded
 
     def poll(self) -> None:
@@ -235,11 +235,8 @@ class OffloadCache:
 
     @staticmethod
     def _finish(pending: list[tuple[Completion, list[str]]], apply) -> list:
-        still = []
-        for done, keys in pending:
-            if done.done():
-                for key in keys:
-                    apply(key)
-            else:
-                still.append((done, keys))
+        finished, still = split_completed(pending)
+        for keys in finished:
+            for key in keys:
+                apply(key)
         return still

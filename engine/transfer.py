@@ -19,6 +19,7 @@ Paths, chosen once per mover:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
@@ -38,22 +39,37 @@ Extents = Sequence[tuple[int, int]]
 
 
 class Completion:
-    """The end of one asynchronous copy; keeps its tensors alive until then."""
+    """The end of one asynchronous copy (None: a synchronous CPU copy, already done).
 
-    def __init__(self, event: torch.cuda.Event | None, keep_alive: list[torch.Tensor]) -> None:
+    The tensors it touched need no reference here: ``record_stream`` keeps the
+    caching allocator from reusing them before the copy's stream gets past it.
+    """
+
+    def __init__(self, event: torch.cuda.Event | None = None) -> None:
         self._event = event
-        self._keep_alive = keep_alive
 
     def done(self) -> bool:
-        if self._event is not None and not self._event.query():
-            return False
-        self._keep_alive = []
-        return True
+        return self._event is None or self._event.query()
 
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
-        self._keep_alive = []
+
+
+T = TypeVar("T")
+
+
+def split_completed(
+    pending: list[tuple[Completion, T]],
+) -> tuple[list[T], list[tuple[Completion, T]]]:
+    """(payloads of the completed copies, the pairs still in flight), order kept."""
+    finished, still = [], []
+    for done, payload in pending:
+        if done.done():
+            finished.append(payload)
+        else:
+            still.append((done, payload))
+    return finished, still
 
 
 class BlockMover:
@@ -97,7 +113,7 @@ class BlockMover:
             sources = list(sources)
             if self.stream is None:
                 self._copy(sources, tables, to_arena=True)
-                return Completion(None, [])
+                return Completion()
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             for t in sources:  # the allocator must not reuse them before the copy ends
                 t.record_stream(self.stream)
@@ -105,7 +121,7 @@ class BlockMover:
                 self._copy(sources, tables, to_arena=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            return Completion(event, sources)
+            return Completion(event)
 
     def load(
         self, tables: Sequence[Extents], specs: Sequence[tuple[torch.dtype, Sequence[int]]]
@@ -119,7 +135,7 @@ class BlockMover:
             outputs = empty_items(specs, self.device)
             if self.stream is None:
                 self._copy(outputs, tables, to_arena=False)
-                return outputs, Completion(None, [])
+                return outputs, Completion()
             caller = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(caller)
             if outputs:
@@ -129,7 +145,7 @@ class BlockMover:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             caller.wait_event(event)
-            return outputs, Completion(event, [])
+            return outputs, Completion(event)
 
     def _copy(
         self, tensors: list[torch.Tensor], tables: Sequence[Extents], *, to_arena: bool
