@@ -166,6 +166,7 @@ class SchedulerSide:
                 continue
             log.debug("ecoffload: step %d metadata was never processed; undoing it", step)
             for key in saves:
+                self._sizes.pop(key, None)
                 if self.catalog.state(key) is ItemState.WRITING:
                     self.catalog.abort(key)
             for key in loads:
