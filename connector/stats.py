@@ -1,4 +1,16 @@
-"""EC connector stats in vLLM's format (counters since the last report)."""
+"""EC connector stats in vLLM's format: counters since the last report, plus gauges.
+
+vLLM collects them from both sides each step (V1: the scheduler's only; V2
+also the workers', merged with the scheduler's by ``aggregate``), sums them
+over its logging interval and hands the result to the log line and to
+Prometheus (:mod:`.prometheus`). The two sides count disjoint names, so
+merging never counts an event twice:
+
+* :data:`COUNTERS` - the scheduler's (it owns the catalog);
+* :data:`WORKER_COUNTERS` - the writing worker's (one per instance);
+* :data:`GAUGES` - the scheduler's view of the arena now; a later value
+  replaces an earlier one instead of adding to it.
+"""
 
 from __future__ import annotations
 
@@ -18,22 +30,49 @@ COUNTERS = (
     "saves_failed",
     "unexpected_reports",  # worker reports for keys or loads the scheduler did not ship
 )
+WORKER_COUNTERS = (
+    "encoder_outputs",  # fresh encoder outputs the worker was handed (save_caches)
+    "save_launches",  # pack launches (one per step with saves)
+    "load_launches",  # unpack launches (one per step with loads)
+)
+GAUGES = (
+    "items_resident",
+    "bytes_resident",
+    "blocks_free",
+    "blocks_total",
+)
 
 
 @dataclass
 class ECOffloadStats(ECConnectorStats):
-    """``data`` maps each name of :data:`COUNTERS` to a count."""
+    """``data`` maps names of :data:`COUNTERS`, :data:`WORKER_COUNTERS` and
+    :data:`GAUGES` to numbers; absent names are zero (counters) or unknown (gauges)."""
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: ECConnectorStats) -> ECOffloadStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            self.data[key] = value if key in GAUGES else self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {key: self.data.get(key, 0) for key in COUNTERS}
+        reduced = {key: self.data.get(key, 0) for key in COUNTERS + WORKER_COUNTERS}
+        reduced.update({key: self.data[key] for key in GAUGES if key in self.data})
+        return reduced
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(self.data.get(key) for key in COUNTERS + WORKER_COUNTERS) and not any(
+            key in self.data for key in GAUGES
+        )
+
+
+def delta(now: dict[str, int], reported: dict[str, int]) -> dict[str, int]:
+    """What changed since ``reported`` (updated in place to ``now``): counter
+    increments and new gauge values."""
+    changed = {}
+    for key, value in now.items():
+        if value != reported.get(key, 0 if key not in GAUGES else None):
+            changed[key] = value if key in GAUGES else value - reported.get(key, 0)
+    reported.update(now)
+    return changed

@@ -11,9 +11,12 @@ Per step, inside vLLM's bound-metadata window::
                                          copies that completed, keys never saved
     clear_connector_metadata()
 
-Only tensor-parallel rank 0 writes; every rank loads. Copies run on the
-mover's stream; a save is reported only once its event has completed, so the
-scheduler never publishes bytes still in flight.
+Only the writer rank (rank 0 of the tensor- and prefill-context-parallel
+groups, first pipeline stage) writes and reports the worker counters; every
+rank loads. Copies run on the mover's stream; a save is reported only once
+its event has completed, so the scheduler never publishes bytes still in
+flight. V2 runs the same hooks on steps without a forward, which is how
+copies still in flight at the end of traffic get reported.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from ..engine.cache import dtype_from_name, dtype_name
 from ..engine.errors import ArenaError
 from ..engine.transfer import BlockMover, Completion, split_completed
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
-from .compat import parallel_layout, tensor_parallel_rank, worker_device
+from .compat import is_writer_rank, worker_device, worker_processes
 from .config import OffloadConfig
 from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata
 from .shared_arena import open_shared_arena
+from .stats import WORKER_COUNTERS, ECOffloadStats, delta
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +44,11 @@ class WorkerSide:
     def __init__(self, vllm_config: Any, config: OffloadConfig) -> None:
         transfer = vllm_config.ec_transfer_config
         self.producer, self.consumer = transfer.is_ec_producer, transfer.is_ec_consumer
-        _, workers = parallel_layout(vllm_config)
-        self.writes = self.producer and tensor_parallel_rank() == 0
+        self.reports_stats = is_writer_rank()  # one worker per instance counts
+        self.writes = self.producer and self.reports_stats
         self.device = worker_device(vllm_config)
         self.arena = open_shared_arena(
-            config, vllm_config, processes=1 + workers, register_cuda="auto"
+            config, vllm_config, processes=1 + worker_processes(vllm_config), register_cuda="auto"
         )
         pack_config, unpack_config = PACK_CONFIG, UNPACK_CONFIG
         if config.num_programs is not None:
@@ -54,12 +58,14 @@ class WorkerSide:
             self.arena, self.device, pack_config=pack_config, unpack_config=unpack_config
         )
         self._meta: ECOffloadMetadata | None = None
+        self._unflushed: ECOffloadMetadata | None = None  # bound, saves not launched yet
         self._queued: dict[str, torch.Tensor] = {}
         self._not_saved: dict[str, int] = {}
         self._steps: set[int] = set()
         self._pending_saves: list[tuple[Completion, dict[str, tuple[str, tuple[int, ...]]]]] = []
         self._pending_loads: list[tuple[Completion, list[str]]] = []
         self._counts: Counter[str] = Counter()
+        self._reported: dict[str, int] = {}
 
     def bind_connector_metadata(self, metadata: ECOffloadMetadata) -> None:
         if metadata.arena != self.arena.nonce:
@@ -70,7 +76,7 @@ class WorkerSide:
                 f"worker mapped ({self.arena.path}, nonce {self.arena.nonce:#x}): give every "
                 "process of the instance the same arena_name and arena_dir"
             )
-        self._meta = metadata
+        self._meta = self._unflushed = metadata
         self._steps.add(metadata.step)
 
     def clear_connector_metadata(self) -> None:
@@ -84,6 +90,7 @@ class WorkerSide:
         specs = [(dtype_from_name(dtype), shape) for _, _, _, dtype, shape in loads]
         outputs, done = self.mover.load(tables, specs)
         keys = [key for key, _, _, _, _ in loads]
+        self._counts["load_launches"] += 1
         self._counts["items_loaded"] += len(keys)
         self._counts["bytes_loaded"] += sum(nbytes for _, _, nbytes, _, _ in loads)
         for key, tensor in zip(keys, outputs, strict=True):
@@ -121,8 +128,10 @@ class WorkerSide:
         return report
 
     def _flush_saves(self) -> None:
-        """One pack launch for the step's queued outputs."""
-        meta, queued, self._queued = self._meta, self._queued, {}
+        """One pack launch for the step's queued outputs, once per step (V2 asks
+        for stats before the worker metadata; both must see the launch)."""
+        meta, self._unflushed = self._unflushed, None
+        queued, self._queued = self._queued, {}
         if self.writes and meta is not None:
             for key in meta.saves:
                 if key not in queued and key not in self._not_saved:
@@ -137,13 +146,33 @@ class WorkerSide:
             return
         saved = {k: (dtype_name(t.dtype), tuple(t.shape)) for k, t in queued.items()}
         self._pending_saves.append((done, saved))
+        self._counts["save_launches"] += 1
         self._counts["items_saved"] += len(queued)
         self._counts["bytes_saved"] += sum(t.nbytes for t in queued.values())
 
     def stats(self) -> dict[str, int]:
-        """This worker's counters: encoder outputs seen, items and bytes saved and loaded."""
-        names = ("encoder_outputs", "items_saved", "bytes_saved", "items_loaded", "bytes_loaded")
+        """This worker's cumulative counters: encoder outputs seen, launches, items
+        and bytes copied (copies started, not confirmed: the scheduler counts those)."""
+        names = (*WORKER_COUNTERS, "items_saved", "bytes_saved", "items_loaded", "bytes_loaded")
         return {name: self._counts.get(name, 0) for name in names}
+
+    def get_ec_connector_stats(self) -> ECOffloadStats | None:
+        """Increments of :data:`~.stats.WORKER_COUNTERS` since the previous call
+        (V2 asks every worker each step; only the writer rank answers, so vLLM's
+        merge of all workers' stats counts each event once)."""
+        self._flush_saves()
+        if not self.reports_stats:
+            return None
+        now = {name: self._counts.get(name, 0) for name in WORKER_COUNTERS}
+        changed = delta(now, self._reported)
+        return ECOffloadStats(data=changed) if changed else None
+
+    def start_worker_services(self) -> None:
+        log.info(
+            "ecoffload: worker ready on %s: arena %s (%d blocks of %d bytes), %s copy path, %s",
+            self.device, self.arena.path, self.arena.num_blocks, self.arena.block_bytes,
+            self.mover.path, "writes saves" if self.writes else "loads only",
+        )  # fmt: skip
 
     def shutdown(self) -> None:
         for done, _ in self._pending_saves + self._pending_loads:

