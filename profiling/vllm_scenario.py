@@ -47,18 +47,24 @@ class ScenarioResult:
 
 
 def count_encoder_runs(worker: Any) -> int:
-    """collective_rpc target: count freshly encoded items on this worker from now on."""
-    runner = worker.model_runner
-    if not hasattr(runner, "_ecoffload_encoder_runs"):
-        runner._ecoffload_encoder_runs = 0
-        original = runner._cache_encoder_output  # called once per encoded item
+    """collective_rpc target: count items the encoder produced on this worker from now on.
+
+    Wraps the model's ``embed_multimodal`` (vLLM's multimodal model interface,
+    called by every model runner, V1 and V2, once per encoder batch) and
+    counts the items it returns; no runner internals are touched.
+    """
+    model = worker.get_model()
+    if not hasattr(model, "_ecoffload_encoder_runs"):
+        model._ecoffload_encoder_runs = 0
+        original = model.embed_multimodal
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            runner._ecoffload_encoder_runs += 1
-            return original(*args, **kwargs)
+            outputs = original(*args, **kwargs)
+            model._ecoffload_encoder_runs += len(outputs)
+            return outputs
 
-        runner._cache_encoder_output = counted
-    return runner._ecoffload_encoder_runs
+        model.embed_multimodal = counted
+    return model._ecoffload_encoder_runs
 
 
 def connector_counts(worker: Any) -> dict[str, int]:

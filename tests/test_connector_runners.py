@@ -280,3 +280,19 @@ def test_worker_processes_count_every_parallel_dimension(model_config):
     parallel.tensor_parallel_size, parallel.pipeline_parallel_size = 2, 3
     parallel.prefill_context_parallel_size = 2
     assert compat.worker_processes(config) == 12
+
+
+def test_hooks_with_nothing_to_do_answer_deliberately(instance):
+    sched, worker = instance("ec_both", "v2")
+    request = make_request("r", [("img", 4)])
+    schedule(sched, request)
+    deliver(sched, worker.step(sched.build_connector_meta(SchedulerOutput.make_empty()),
+                               {"img": encoder_output(4, 1)}))  # fmt: skip
+    before = [(e.key, e.state, e.pins) for e in sched.side.catalog.entries()]
+    assert sched.ensure_cache_available(request, 0) is True  # never holds a request
+    assert sched.take_unavailable_requests() == set()
+    sched.update_state_after_free(request, 0)  # vLLM dropped its GPU copy
+    assert sched.request_finished(request) == (False, None)  # never delays KV freeing
+    assert worker.connector.get_finished({"r"}) == (None, None)
+    assert [(e.key, e.state, e.pins) for e in sched.side.catalog.entries()] == before
+    assert sched.has_cache_item("img")  # still served after all of them
