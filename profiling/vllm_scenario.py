@@ -42,7 +42,11 @@ class ScenarioResult:
     token_ids: list[list[int]] = field(default_factory=list)
     encoder_runs: list[int] = field(default_factory=list)  # per request
     seconds: list[float] = field(default_factory=list)  # per request
-    connector_stats: dict[str, int] = field(default_factory=dict)
+    connector_stats: dict[str, int] = field(default_factory=dict)  # the worker's
+    # The scheduler side after the last request (one-process mode only: the
+    # scheduler lives in this process): items still being written, pins held.
+    writing_after: int | None = None
+    pinned_after: int | None = None
     load_seconds: float = 0.0
 
 
@@ -72,6 +76,13 @@ def connector_counts(worker: Any) -> dict[str, int]:
     from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
 
     return get_ec_transfer().side.stats() if has_ec_transfer() else {}
+
+
+def in_process_scheduler_connector(llm: Any) -> Any:
+    """The scheduler's connector when the engine core runs in this process, else None."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    return scheduler.get_ec_connector() if scheduler is not None else None
 
 
 def make_images(n: int, size: int = 112) -> list:
@@ -140,6 +151,11 @@ def run_here(
         before = runs
     if connector:
         result.connector_stats = llm.collective_rpc(connector_counts)[0]
+        scheduler = in_process_scheduler_connector(llm)
+        if scheduler is not None:
+            entries = scheduler.side.catalog.entries()
+            result.writing_after = sum(e.state.value == "writing" for e in entries)
+            result.pinned_after = sum(e.pins for e in entries)
     return result
 
 

@@ -52,3 +52,5 @@ def test_repeated_images_are_served_from_the_arena(
     assert stats["items_loaded"] == REPEATS
     assert stats["bytes_loaded"] == REPEATS * stats["bytes_saved"] // IMAGES
     assert os.listdir(arena_dir) == []  # the arena file is gone after the run
+    if not multiprocess:  # the scheduler lived in the scenario's process: it settled
+        assert (result.writing_after, result.pinned_after) == (0, 0)
