@@ -13,20 +13,23 @@ from .api import (
     LaunchConfig,
     empty_items,
     pack,
+    plan_batch,
     triton_available,
     unpack,
 )
-from .plan import CopyPlan, PlanError, plan_copy
+from .plan import VEC_WIDTHS, CopyPlan, PlanError, plan_copy
 from .reference import reference_pack, reference_unpack
 
 __all__ = [
     "PACK_CONFIG",
     "UNPACK_CONFIG",
+    "VEC_WIDTHS",
     "CopyPlan",
     "LaunchConfig",
     "PlanError",
     "empty_items",
     "pack",
+    "plan_batch",
     "plan_copy",
     "reference_pack",
     "reference_unpack",

@@ -22,7 +22,7 @@ import torch
 
 from ..profiling.nvtx import nvtx_range
 from .block_copy import _block_copy_kernel, launch_block_copy
-from .plan import Extents, PlanError, plan_copy
+from .plan import CopyPlan, Extents, PlanError, plan_copy
 from .reference import byte_view, reference_pack, reference_unpack
 
 Backend = Literal["auto", "triton", "reference"]
@@ -140,13 +140,7 @@ def _run(
         backend = "triton" if triton_available(arena.device) else "reference"
     if backend not in ("triton", "reference"):
         raise PlanError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    base, offsets, nbytes, span = _item_layout(tensors)
-    base_ptr = base.data_ptr() if base is not None else 0
-    plan = plan_copy(
-        offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
-        items_bytes=span, tile_bytes=config.tile_bytes,
-        base_alignment=_alignment(base_ptr) & _alignment(arena.data_ptr()),
-    )  # fmt: skip
+    base, plan = plan_batch(tensors, tables, arena, block_bytes, tile_bytes=config.tile_bytes)
     if backend == "reference":
         if to_arena:
             reference_pack(tensors, tables, arena, block_bytes)
@@ -167,6 +161,30 @@ def _run(
     if base is not None:
         launch_block_copy(base, arena, plan, to_arena=to_arena,
                           num_programs=config.num_programs, num_warps=config.num_warps)  # fmt: skip
+
+
+def plan_batch(
+    tensors: Sequence[torch.Tensor],
+    tables: Sequence[Extents],
+    arena: torch.Tensor,
+    block_bytes: int,
+    *,
+    tile_bytes: int = PACK_CONFIG.tile_bytes,
+) -> tuple[torch.Tensor | None, CopyPlan]:
+    """(items base, plan) for one launch over ``tensors`` and ``arena``; validates everything.
+
+    The base is the lowest-addressed non-empty tensor as a flat uint8 view (None
+    when every tensor is empty); the plan's access width divides the absolute
+    address of every segment on both sides. :func:`pack`, :func:`unpack` and
+    the benchmark's prebuilt launches all plan through here.
+    """
+    base, offsets, nbytes, span = _item_layout(list(tensors))
+    plan = plan_copy(
+        offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
+        items_bytes=span, tile_bytes=tile_bytes,
+        items_base=base.data_ptr() if base is not None else 0, arena_base=arena.data_ptr(),
+    )  # fmt: skip
+    return base, plan
 
 
 def _item_layout(
@@ -193,6 +211,3 @@ def _item_layout(
     span = max(o + n for o, n in zip(offsets, sizes, strict=True))
     return byte_view(tensors[lowest]), offsets, sizes, span
 
-
-def _alignment(address: int) -> int:
-    return (address & -address) if address else 1 << 20

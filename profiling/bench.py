@@ -148,14 +148,18 @@ class Bench:
     # table layouts -------------------------------------------------------------
 
     def tables(self, block: int, shuffle: bool, seed: int = 0) -> list[list[tuple[int, int]]]:
-        """Block tables in arena units: each item cut into ``block``-byte blocks."""
+        """Block tables in arena units: each item cut into ``block``-byte blocks.
+
+        A table covers exactly the item's units (the planner refuses more): the
+        last block of an item keeps only the units its bytes reach.
+        """
         per = block // self.unit
         needs = [-(-n // block) for n in self.item_bytes]
         blocks = list(range(sum(needs)))
         if shuffle:
             random.Random(seed).shuffle(blocks)
         tables, at = [], 0
-        for need in needs:
+        for need, n in zip(needs, self.item_bytes, strict=True):
             mine, at = blocks[at : at + need], at + need
             table: list[tuple[int, int]] = []
             for b in mine:
@@ -163,6 +167,9 @@ class Bench:
                     table[-1] = (table[-1][0], table[-1][1] + per)
                 else:
                     table.append((b * per, per))
+            if table:
+                surplus = need * per - -(-n // self.unit)
+                table[-1] = (table[-1][0], table[-1][1] - surplus)
             tables.append(table)
         return tables
 
@@ -252,8 +259,8 @@ class Bench:
             for t, table, n in zip(self.items, tables, self.item_bytes, strict=True):
                 pos = 0
                 for start, count in table:
-                    for k in range(count * self.unit // block):
-                        size = min(block, n - pos)
+                    for k in range(-(-count * self.unit // block)):
+                        size = min(block, count * self.unit - k * block, n - pos)
                         if size <= 0:
                             break
                         gpu.append(t.data_ptr() + pos)
@@ -326,17 +333,11 @@ class Bench:
 
     def kernel_only(self, sources, tables, config: LaunchConfig, to_arena: bool):
         """A launch with its plan built beforehand: the kernel's own time, on the side stream."""
-        from ..kernels.api import _alignment, _item_layout
+        from ..kernels import plan_batch
         from ..kernels.block_copy import launch_block_copy
-        from ..kernels.plan import plan_copy
 
         arena = self.arena.device_view(self.device)
-        base, offsets, sizes, span = _item_layout(list(sources))
-        plan = plan_copy(
-            offsets, sizes, tables, block_bytes=self.unit,
-            arena_bytes=arena.numel(), items_bytes=span, tile_bytes=config.tile_bytes,
-            base_alignment=_alignment(base.data_ptr()) & _alignment(arena.data_ptr()),
-        )  # fmt: skip
+        base, plan = plan_batch(sources, tables, arena, self.unit, tile_bytes=config.tile_bytes)
         plan = type(plan)(plan.segments.to(self.device), plan.vec_bytes, plan.tile_bytes,
                           plan.num_tiles, plan.nbytes)  # fmt: skip
 
