@@ -12,11 +12,14 @@ from .api import (
     UNPACK_CONFIG,
     LaunchConfig,
     empty_items,
+    kernel_variants,
     pack,
     plan_batch,
     triton_available,
     unpack,
+    warm_up,
 )
+from .block_copy import KernelVariant
 from .plan import VEC_WIDTHS, CopyPlan, PlanError, plan_copy
 from .reference import reference_pack, reference_unpack
 
@@ -25,9 +28,11 @@ __all__ = [
     "UNPACK_CONFIG",
     "VEC_WIDTHS",
     "CopyPlan",
+    "KernelVariant",
     "LaunchConfig",
     "PlanError",
     "empty_items",
+    "kernel_variants",
     "pack",
     "plan_batch",
     "plan_copy",
@@ -35,4 +40,5 @@ __all__ = [
     "reference_unpack",
     "triton_available",
     "unpack",
+    "warm_up",
 ]

@@ -14,6 +14,8 @@ same launch works in both modes and items may live in separate allocations.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -21,11 +23,12 @@ from typing import Literal
 import torch
 
 from ..profiling.nvtx import nvtx_range
-from .block_copy import _block_copy_kernel, launch_block_copy
-from .plan import CopyPlan, Extents, PlanError, plan_copy
+from .block_copy import KernelVariant, _block_copy_kernel, compile_variants, launch_block_copy
+from .plan import VEC_WIDTHS, CopyPlan, Extents, PlanError, plan_copy
 from .reference import byte_view, reference_pack, reference_unpack
 
 Backend = Literal["auto", "triton", "reference"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,47 @@ UNPACK_CONFIG = LaunchConfig(num_programs=16, num_warps=4)
 ITEM_ALIGN = 256  # byte alignment of each item in buffers this module allocates
 
 
+def _interpreted() -> bool:
+    return type(_block_copy_kernel).__name__ == "InterpretedFunction"
+
+
 def triton_available(device: torch.device) -> bool:
     """Whether the Triton kernel can run on tensors of ``device``."""
-    interpreting = type(_block_copy_kernel).__name__ == "InterpretedFunction"
-    return device.type == "cpu" if interpreting else device.type == "cuda"
+    return device.type == "cpu" if _interpreted() else device.type == "cuda"
+
+
+def kernel_variants(
+    pack_config: LaunchConfig = PACK_CONFIG, unpack_config: LaunchConfig = UNPACK_CONFIG
+) -> list[KernelVariant]:
+    """Every kernel variant :func:`pack` and :func:`unpack` can launch with these configs:
+    both directions x every access width a plan can pick."""
+    return [
+        KernelVariant(to_arena, vec, config.tile_bytes, config.num_warps)
+        for to_arena, config in ((True, pack_config), (False, unpack_config))
+        for vec in VEC_WIDTHS
+    ]
+
+
+def warm_up(
+    device: torch.device,
+    *,
+    pack_config: LaunchConfig = PACK_CONFIG,
+    unpack_config: LaunchConfig = UNPACK_CONFIG,
+) -> list[KernelVariant]:
+    """Compile every variant launches with these configs can select, before the first copy.
+
+    Returns the variants compiled: none for a non-CUDA device or under the
+    interpreter, which compile nothing. Triton's on-disk cache makes later
+    processes' warm-ups fast.
+    """
+    if _interpreted() or device.type != "cuda":
+        return []
+    variants = kernel_variants(pack_config, unpack_config)
+    start = time.perf_counter()
+    compile_variants(variants, device)
+    log.info("ecoffload: %d kernel variants ready on %s in %.2f s",
+             len(variants), device, time.perf_counter() - start)  # fmt: skip
+    return variants
 
 
 def pack(
