@@ -19,9 +19,12 @@ from ecoffload.kernels import (
 B = 4096
 POISON = 0xA5
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(
-    not triton_available(DEVICE), reason="Triton cannot run here (no CUDA, no TRITON_INTERPRET)"
-)
+pytestmark = [
+    pytest.mark.kernel,
+    pytest.mark.skipif(
+        not triton_available(DEVICE), reason="Triton cannot run here (no CUDA, no TRITON_INTERPRET)"
+    ),
+]
 
 
 def random_item(gen, rows, hidden, dtype):
