@@ -200,11 +200,11 @@ class OffloadCache:
     def _commit(self, key: str) -> None:
         entry = self.catalog.commit(key)
         if self.integrity:
-            crc, host = 0, self.arena.host
-            for start, count in entry.extents:
-                begin = start * self.arena.block_bytes
-                end = min(begin + count * self.arena.block_bytes, begin + entry.nbytes)
-                crc = zlib.crc32(host[begin:end].numpy(), crc)
+            crc, host, block, pos = 0, self.arena.host, self.arena.block_bytes, 0
+            for start, count in entry.extents:  # the item's bytes only, not its last padding
+                take = min(count * block, entry.nbytes - pos)
+                crc = zlib.crc32(host[start * block : start * block + take].numpy(), crc)
+                pos += take
             entry.checksum = crc
 
     def _verified(self, key: str, tensor: torch.Tensor) -> bool:

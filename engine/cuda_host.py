@@ -7,8 +7,11 @@ ordinary loads and stores (zero-copy). Registration goes in chunks of at most
 
 The alias is a CUDA ``torch.Tensor`` whose storage is the registered range
 (device pointer from ``pointerGetAttributes``; with UVA it equals the host
-address), wrapped with ``cupy.cuda.UnownedMemory`` and ``torch.as_tensor``.
-It owns nothing: the registration must outlive every alias.
+address), wrapped with ``cupy.cuda.UnownedMemory`` for an explicit device id
+and handed to torch through DLPack. One alias per device, built on first use
+and cached; it is checked to be the registered range on that device (a
+silent copy into GPU memory would defeat the arena). It owns nothing: the
+registration must outlive every alias.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class HostRegistration:
         self._cupy = cupy
         self.host_ptr, self.nbytes = host_ptr, nbytes
         self._chunks: list[int] = []
+        self._aliases: dict[int, torch.Tensor] = {}  # device index -> alias
         try:
             for offset in range(0, nbytes, chunk_bytes):
                 size = min(chunk_bytes, nbytes - offset)
@@ -57,21 +61,64 @@ class HostRegistration:
                 )
         return base
 
-    def device_alias(self, device: torch.device) -> torch.Tensor:
-        """A uint8 CUDA tensor of ``nbytes`` aliasing the registered range."""
+    def device_alias(self, device: torch.device | str) -> torch.Tensor:
+        """The uint8 CUDA tensor of ``nbytes`` on ``device`` aliasing the registered range.
+
+        Built once per device and cached: with that device's id given explicitly
+        (not taken from the pointer, whose attributes name the device current at
+        registration), and checked to be the registered range itself on that
+        device. Never a copy: a mismatch raises :class:`ArenaError`.
+        """
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ArenaError(f"a device alias needs a CUDA device, got {device}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        alias = self._aliases.get(index)
+        if alias is not None:
+            return alias
         cupy = self._cupy
-        with cupy.cuda.Device(device.index or 0):
-            memory = cupy.cuda.UnownedMemory(self.device_ptr, self.nbytes, owner=self)
+        with cupy.cuda.Device(index):
+            memory = cupy.cuda.UnownedMemory(self.device_ptr, self.nbytes, self, device_id=index)
             array = cupy.ndarray(
                 (self.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0)
             )
-        return torch.as_tensor(array, device=device)
+            alias = _as_torch(array)
+        expected = torch.device("cuda", index)
+        if alias.device != expected or alias.data_ptr() != self.device_ptr:
+            raise ArenaError(
+                f"the device alias of the arena is {alias.device} at {alias.data_ptr():#x}, "
+                f"expected {expected} at {self.device_ptr:#x} (the registered range itself): "
+                "this torch/CuPy pair copies instead of aliasing; use another torch or CuPy "
+                "version, or register_cuda='never' for unregistered copies"
+            )
+        if alias.numel() != self.nbytes:
+            raise ArenaError(
+                f"the device alias has {alias.numel()} bytes, expected {self.nbytes}"
+            )
+        self._aliases[index] = alias
+        return alias
 
     def close(self) -> None:
         """Unregister every chunk (idempotent)."""
+        self._aliases.clear()
         while self._chunks:
             ptr = self._chunks.pop()
             try:
                 self._cupy.cuda.runtime.hostUnregister(ptr)
             except Exception as exc:  # never mask the caller's error or leave close half-done
                 log.warning("cudaHostUnregister(%#x) failed: %s", ptr, exc)
+
+
+def _as_torch(array) -> torch.Tensor:
+    """The CuPy array as a torch tensor over the same memory, on the array's device.
+
+    DLPack carries the device id the memory was wrapped with; the CUDA array
+    interface (the fallback) names no device, and torch then asks the driver.
+    Neither is given a ``device=``, which would copy on a mismatch.
+    """
+    try:
+        return torch.from_dlpack(array)
+    except Exception as exc:  # e.g. a torch/CuPy pair without a common DLPack version
+        log.debug("DLPack export of the arena alias failed (%s); using __cuda_array_interface__",
+                  exc)  # fmt: skip
+        return torch.as_tensor(array)

@@ -26,11 +26,13 @@ import torch
 from ..kernels import (
     PACK_CONFIG,
     UNPACK_CONFIG,
+    KernelVariant,
     LaunchConfig,
     empty_items,
     pack,
     triton_available,
     unpack,
+    warm_up,
 )
 from ..profiling.nvtx import nvtx_range
 from .arena import Arena
@@ -82,6 +84,7 @@ class BlockMover:
         *,
         pack_config: LaunchConfig = PACK_CONFIG,
         unpack_config: LaunchConfig = UNPACK_CONFIG,
+        warm_up: bool = True,
     ) -> None:
         self.arena = arena
         if device is None:
@@ -95,9 +98,20 @@ class BlockMover:
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
             self.path = "kernel" if arena.registered else "reference"
+            if warm_up and self.path == "kernel":
+                self.warm_up()
         else:
             self.stream = None
             self.path = "kernel" if triton_available(self.device) else "reference"
+
+    def warm_up(self) -> list[KernelVariant]:
+        """Compile every kernel variant this mover can launch, so none compiles mid-serving.
+
+        Runs when a CUDA mover on the kernel path is created (``warm_up=True``);
+        the time is logged. Compiles nothing on CPU.
+        """
+        return warm_up(self.device, pack_config=self.pack_config,
+                       unpack_config=self.unpack_config)  # fmt: skip
 
     def _arena_view(self) -> torch.Tensor:
         """The arena as the copy path addresses it (fetched per call: holds no view)."""

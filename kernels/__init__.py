@@ -12,24 +12,33 @@ from .api import (
     UNPACK_CONFIG,
     LaunchConfig,
     empty_items,
+    kernel_variants,
     pack,
+    plan_batch,
     triton_available,
     unpack,
+    warm_up,
 )
-from .plan import CopyPlan, PlanError, plan_copy
+from .block_copy import KernelVariant
+from .plan import VEC_WIDTHS, CopyPlan, PlanError, plan_copy
 from .reference import reference_pack, reference_unpack
 
 __all__ = [
     "PACK_CONFIG",
     "UNPACK_CONFIG",
+    "VEC_WIDTHS",
     "CopyPlan",
+    "KernelVariant",
     "LaunchConfig",
     "PlanError",
     "empty_items",
+    "kernel_variants",
     "pack",
+    "plan_batch",
     "plan_copy",
     "reference_pack",
     "reference_unpack",
     "triton_available",
     "unpack",
+    "warm_up",
 ]

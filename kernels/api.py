@@ -14,6 +14,8 @@ same launch works in both modes and items may live in separate allocations.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -21,11 +23,12 @@ from typing import Literal
 import torch
 
 from ..profiling.nvtx import nvtx_range
-from .block_copy import _block_copy_kernel, launch_block_copy
-from .plan import Extents, PlanError, plan_copy
+from .block_copy import KernelVariant, _block_copy_kernel, compile_variants, launch_block_copy
+from .plan import VEC_WIDTHS, CopyPlan, Extents, PlanError, plan_copy
 from .reference import byte_view, reference_pack, reference_unpack
 
 Backend = Literal["auto", "triton", "reference"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,47 @@ UNPACK_CONFIG = LaunchConfig(num_programs=16, num_warps=4)
 ITEM_ALIGN = 256  # byte alignment of each item in buffers this module allocates
 
 
+def _interpreted() -> bool:
+    return type(_block_copy_kernel).__name__ == "InterpretedFunction"
+
+
 def triton_available(device: torch.device) -> bool:
     """Whether the Triton kernel can run on tensors of ``device``."""
-    interpreting = type(_block_copy_kernel).__name__ == "InterpretedFunction"
-    return device.type == "cpu" if interpreting else device.type == "cuda"
+    return device.type == "cpu" if _interpreted() else device.type == "cuda"
+
+
+def kernel_variants(
+    pack_config: LaunchConfig = PACK_CONFIG, unpack_config: LaunchConfig = UNPACK_CONFIG
+) -> list[KernelVariant]:
+    """Every kernel variant :func:`pack` and :func:`unpack` can launch with these configs:
+    both directions x every access width a plan can pick."""
+    return [
+        KernelVariant(to_arena, vec, config.tile_bytes, config.num_warps)
+        for to_arena, config in ((True, pack_config), (False, unpack_config))
+        for vec in VEC_WIDTHS
+    ]
+
+
+def warm_up(
+    device: torch.device,
+    *,
+    pack_config: LaunchConfig = PACK_CONFIG,
+    unpack_config: LaunchConfig = UNPACK_CONFIG,
+) -> list[KernelVariant]:
+    """Compile every variant launches with these configs can select, before the first copy.
+
+    Returns the variants compiled: none for a non-CUDA device or under the
+    interpreter, which compile nothing. Triton's on-disk cache makes later
+    processes' warm-ups fast.
+    """
+    if _interpreted() or device.type != "cuda":
+        return []
+    variants = kernel_variants(pack_config, unpack_config)
+    start = time.perf_counter()
+    compile_variants(variants, device)
+    log.info("ecoffload: %d kernel variants ready on %s in %.2f s",
+             len(variants), device, time.perf_counter() - start)  # fmt: skip
+    return variants
 
 
 def pack(
@@ -140,13 +180,7 @@ def _run(
         backend = "triton" if triton_available(arena.device) else "reference"
     if backend not in ("triton", "reference"):
         raise PlanError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    base, offsets, nbytes, span = _item_layout(tensors)
-    base_ptr = base.data_ptr() if base is not None else 0
-    plan = plan_copy(
-        offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
-        items_bytes=span, tile_bytes=config.tile_bytes,
-        base_alignment=_alignment(base_ptr) & _alignment(arena.data_ptr()),
-    )  # fmt: skip
+    base, plan = plan_batch(tensors, tables, arena, block_bytes, tile_bytes=config.tile_bytes)
     if backend == "reference":
         if to_arena:
             reference_pack(tensors, tables, arena, block_bytes)
@@ -167,6 +201,30 @@ def _run(
     if base is not None:
         launch_block_copy(base, arena, plan, to_arena=to_arena,
                           num_programs=config.num_programs, num_warps=config.num_warps)  # fmt: skip
+
+
+def plan_batch(
+    tensors: Sequence[torch.Tensor],
+    tables: Sequence[Extents],
+    arena: torch.Tensor,
+    block_bytes: int,
+    *,
+    tile_bytes: int = PACK_CONFIG.tile_bytes,
+) -> tuple[torch.Tensor | None, CopyPlan]:
+    """(items base, plan) for one launch over ``tensors`` and ``arena``; validates everything.
+
+    The base is the lowest-addressed non-empty tensor as a flat uint8 view (None
+    when every tensor is empty); the plan's access width divides the absolute
+    address of every segment on both sides. :func:`pack`, :func:`unpack` and
+    the benchmark's prebuilt launches all plan through here.
+    """
+    base, offsets, nbytes, span = _item_layout(list(tensors))
+    plan = plan_copy(
+        offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
+        items_bytes=span, tile_bytes=tile_bytes,
+        items_base=base.data_ptr() if base is not None else 0, arena_base=arena.data_ptr(),
+    )  # fmt: skip
+    return base, plan
 
 
 def _item_layout(
@@ -193,6 +251,3 @@ def _item_layout(
     span = max(o + n for o, n in zip(offsets, sizes, strict=True))
     return byte_view(tensors[lowest]), offsets, sizes, span
 
-
-def _alignment(address: int) -> int:
-    return (address & -address) if address else 1 << 20

@@ -11,9 +11,19 @@ Arguments are base tensors plus int64 byte offsets, never pointers loaded from
 memory, so the same kernel runs on CUDA (the arena being the device alias of
 CUDA-host-registered memory: zero-copy over PCIe) and on CPU tensors under
 the Triton interpreter (``TRITON_INTERPRET=1``).
+
+Compiled variants: Triton would specialise on ``num_segs`` (== 1, multiple of
+16) and on each pointer's 16-byte alignment, compiling new variants (~0.7 s
+each) mid-serving. Neither is specialised: the alignment the kernel may assume
+is the plan's ``VEC`` (``tl.multiple_of``), derived from every absolute address.
+A variant is therefore exactly :class:`KernelVariant` (direction, width, tile,
+warps), and :func:`compile_variants` builds them ahead of the first copy.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,7 +32,19 @@ import triton.language as tl
 from .plan import CopyPlan
 
 
-@triton.jit
+class KernelVariant(NamedTuple):
+    """What selects one compiled kernel: its constexprs and launch options."""
+
+    to_arena: bool
+    vec: int
+    tile_bytes: int
+    num_warps: int
+
+
+@triton.jit(
+    do_not_specialize=["num_segs"],
+    do_not_specialize_on_alignment=["items_ptr", "arena_ptr", "seg_ptr"],
+)
 def _block_copy_kernel(
     items_ptr,  # uint8, flat items buffer
     arena_ptr,  # uint8, flat arena
@@ -99,3 +121,15 @@ def launch_block_copy(
         items, arena, segments, plan.num_segments,
         TO_ARENA=to_arena, VEC=plan.vec_bytes, TILE_BYTES=plan.tile_bytes, num_warps=num_warps,
     )  # fmt: skip
+
+
+def compile_variants(variants: Iterable[KernelVariant], device: torch.device) -> None:
+    """Compile each variant for ``device`` now, launching nothing (CUDA only)."""
+    with torch.cuda.device(device):
+        for v in variants:
+            # dtypes stand for the tensors: only their element types reach the key.
+            _block_copy_kernel.warmup(
+                torch.uint8, torch.uint8, torch.int64, 0,
+                TO_ARENA=v.to_arena, VEC=v.vec, TILE_BYTES=v.tile_bytes, num_warps=v.num_warps,
+                grid=(1,),
+            )  # fmt: skip

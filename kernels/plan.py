@@ -16,7 +16,15 @@ Segment table, int64 ``[num_segments, 4]``::
 
 Everything is validated here, on the host, before any launch: a table that
 points outside the arena, gives one block to two items, or does not cover its
-item exactly never reaches a kernel.
+item exactly (``ceil(nbytes / block_bytes)`` blocks, no more, no fewer) never
+reaches a kernel.
+
+Access width: a vector access is only as wide as the largest power of two
+dividing *every* address it touches, so the width is derived here, in one
+place, from the absolute address of every segment's source and destination
+(items base + item offset, arena base + arena offset). A misaligned vector
+access is a sticky "misaligned address" error on a GPU; the Triton
+interpreter never faults, so this is checked on addresses by the tests.
 
 Plain Python on purpose: a step has a few extents per item, and a loop over
 them costs ~1 us per extent where numpy would cost ~60 us per call in
@@ -34,6 +42,7 @@ import torch
 Extents = Sequence[tuple[int, int]]
 
 MAX_VEC_BYTES = 16
+VEC_WIDTHS = (1, 2, 4, 8, 16)  # every access width a plan can pick
 
 
 class PlanError(ValueError):
@@ -62,7 +71,8 @@ def plan_copy(
     arena_bytes: int,
     items_bytes: int,
     tile_bytes: int = 16384,
-    base_alignment: int = MAX_VEC_BYTES,
+    items_base: int = 0,
+    arena_base: int = 0,
 ) -> CopyPlan:
     """Build and validate the segment table for one launch.
 
@@ -73,7 +83,9 @@ def plan_copy(
         block_bytes: arena block size; arena_bytes: the arena's size in bytes.
         items_bytes: size of the items buffer (offsets are checked against it).
         tile_bytes: bytes one program copies per loop iteration.
-        base_alignment: largest power of two dividing both base addresses.
+        items_base, arena_base: absolute addresses of the items buffer and of the
+            arena (``data_ptr()``); the access width divides every segment's
+            ``items_base + item_offset`` and ``arena_base + arena_offset``.
     """
     if not (len(item_offsets) == len(tables) == len(item_nbytes)):
         raise PlanError(
@@ -85,15 +97,10 @@ def plan_copy(
             f"arena of {arena_bytes} bytes is not a whole number of {block_bytes}-byte blocks"
         )
     num_blocks = arena_bytes // block_bytes
-    # Inside an item every extent starts a whole number of blocks in, so the
-    # widest access is set by the item offsets, the bases and the block size.
-    align_bits = base_alignment | block_bytes | MAX_VEC_BYTES
-    for offset in item_offsets:
-        align_bits |= offset
-    vec = align_bits & -align_bits
-    flat = array("q")
+    segments: list[tuple[int, int, int]] = []  # (item_offset, arena_offset, nbytes)
     owned: list[tuple[int, int, int]] = []  # (start, count, item) to find blocks given twice
-    first_tile = total = 0
+    align_bits = MAX_VEC_BYTES
+    total = 0
     for item, (offset, nbytes, table) in enumerate(
         zip(item_offsets, item_nbytes, tables, strict=True)
     ):
@@ -115,10 +122,17 @@ def plan_copy(
                     "a whole extent would stay unwritten; give each item exactly its blocks"
                 )
             take = min(count * block_bytes, nbytes - pos)
-            flat.extend((offset + pos, start * block_bytes, take, first_tile))
+            if count * block_bytes - take >= block_bytes:
+                raise PlanError(
+                    f"item {item} has {nbytes} bytes ({-(-nbytes // block_bytes)} blocks of "
+                    f"{block_bytes}) but its extent ({start}, {count}) runs "
+                    f"{(count * block_bytes - take) // block_bytes} block(s) past its end: "
+                    "give each item exactly its blocks"
+                )
+            src, dst = offset + pos, start * block_bytes
+            segments.append((src, dst, take))
             owned.append((start, count, item))
-            tail = take % vec
-            first_tile += -(-(take - tail) // tile_bytes) + (tail != 0)
+            align_bits |= (items_base + src) | (arena_base + dst)
             pos += take
         if pos < nbytes:
             raise PlanError(
@@ -126,6 +140,13 @@ def plan_copy(
                 f"({pos // block_bytes} blocks of {block_bytes})"
             )
         total += nbytes
+    vec = align_bits & -align_bits
+    flat = array("q")
+    first_tile = 0
+    for src, dst, take in segments:
+        flat.extend((src, dst, take, first_tile))
+        tail = take % vec
+        first_tile += -(-(take - tail) // tile_bytes) + (tail != 0)
     _check_disjoint(owned)
     table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
     return CopyPlan(table.view(-1, 4), vec, tile_bytes, first_tile, total)
