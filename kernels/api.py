@@ -180,7 +180,7 @@ def _run(
         backend = "triton" if triton_available(arena.device) else "reference"
     if backend not in ("triton", "reference"):
         raise PlanError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    base, plan = plan_batch(tensors, tables, arena, block_bytes, tile_bytes=config.tile_bytes)
+    base, plan = plan_batch(tensors, tables, arena, block_bytes, config=config)
     if backend == "reference":
         if to_arena:
             reference_pack(tensors, tables, arena, block_bytes)
@@ -199,8 +199,7 @@ def _run(
                 f"tensor {i} is on {t.device}, expected the arena's device {arena.device}"
             )
     if base is not None:
-        launch_block_copy(base, arena, plan, to_arena=to_arena,
-                          num_programs=config.num_programs, num_warps=config.num_warps)  # fmt: skip
+        launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps)
 
 
 def plan_batch(
@@ -209,7 +208,7 @@ def plan_batch(
     arena: torch.Tensor,
     block_bytes: int,
     *,
-    tile_bytes: int = PACK_CONFIG.tile_bytes,
+    config: LaunchConfig = PACK_CONFIG,
 ) -> tuple[torch.Tensor | None, CopyPlan]:
     """(items base, plan) for one launch over ``tensors`` and ``arena``; validates everything.
 
@@ -221,7 +220,7 @@ def plan_batch(
     base, offsets, nbytes, span = _item_layout(list(tensors))
     plan = plan_copy(
         offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
-        items_bytes=span, tile_bytes=tile_bytes,
+        items_bytes=span, tile_bytes=config.tile_bytes, num_programs=config.num_programs,
         items_base=base.data_ptr() if base is not None else 0, arena_base=arena.data_ptr(),
     )  # fmt: skip
     return base, plan

@@ -6,13 +6,20 @@ of ``block_bytes``-byte blocks of the arena, in stream order. Each extent
 becomes one segment: ``count * block_bytes`` consecutive bytes (fewer for
 the item's last extent) that are contiguous on both sides.
 
-Segment table, int64 ``[num_segments, 4]``::
+Launch table, one flat int64 tensor: the segment rows, then one row per program::
 
-    item_offset   byte offset in the items buffer
-    arena_offset  byte offset in the arena (start * block_bytes)
-    nbytes        bytes to copy
-    first_tile    global index of the segment's first tile (tiles are dealt
-                  round-robin to the persistent programs)
+    segments [S, 4]   item_offset   byte offset in the items buffer
+                      arena_offset  byte offset in the arena (start * block_bytes)
+                      nbytes        bytes to copy
+                      first_tile    global index of the segment's first tile
+    programs [P, 3]   first_segment the segment holding the program's first tile
+                      tile_begin    its contiguous range of global tiles
+                      tile_end
+
+A segment is cut into ``tile_bytes`` tiles of full-width accesses plus, when
+its size is not a multiple of the access width, one byte-wise tail tile. The
+step's tiles are split into ``P`` contiguous ranges of (nearly) equal length,
+so each program reads only the segment rows of its own range.
 
 Everything is validated here, on the host, before any launch: a table that
 points outside the arena, gives one block to two items, or does not cover its
@@ -34,6 +41,7 @@ overhead. Cost grows with extents, never with blocks.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,15 +59,23 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class CopyPlan:
-    segments: torch.Tensor  # int64 [S, 4], CPU
-    vec_bytes: int  # widest access every offset allows (1, 2, 4, 8 or 16)
+    table: torch.Tensor  # int64 [S * 4 + P * 3]: segment rows, then program rows (CPU)
+    num_segments: int
+    num_programs: int  # programs the launch runs: min(requested, num_tiles)
+    vec_bytes: int  # widest access every address allows (1, 2, 4, 8 or 16)
     tile_bytes: int
     num_tiles: int
     nbytes: int  # bytes moved in all
 
     @property
-    def num_segments(self) -> int:
-        return self.segments.shape[0]
+    def segments(self) -> torch.Tensor:
+        """int64 [S, 4]: item_offset, arena_offset, nbytes, first_tile."""
+        return self.table[: 4 * self.num_segments].view(-1, 4)
+
+    @property
+    def programs(self) -> torch.Tensor:
+        """int64 [P, 3]: first_segment, tile_begin, tile_end."""
+        return self.table[4 * self.num_segments :].view(-1, 3)
 
 
 def plan_copy(
@@ -73,6 +89,7 @@ def plan_copy(
     tile_bytes: int = 16384,
     items_base: int = 0,
     arena_base: int = 0,
+    num_programs: int = 1,
 ) -> CopyPlan:
     """Build and validate the segment table for one launch.
 
@@ -86,7 +103,11 @@ def plan_copy(
         items_base, arena_base: absolute addresses of the items buffer and of the
             arena (``data_ptr()``); the access width divides every segment's
             ``items_base + item_offset`` and ``arena_base + arena_offset``.
+        num_programs: programs to split the tiles between (fewer if there are
+            fewer tiles).
     """
+    if num_programs <= 0:
+        raise PlanError(f"num_programs must be positive, got {num_programs}")
     if not (len(item_offsets) == len(tables) == len(item_nbytes)):
         raise PlanError(
             f"expected one offset and one block table per item, got {len(item_offsets)} "
@@ -142,14 +163,28 @@ def plan_copy(
         total += nbytes
     vec = align_bits & -align_bits
     flat = array("q")
+    first_tiles = array("q")
     first_tile = 0
     for src, dst, take in segments:
         flat.extend((src, dst, take, first_tile))
+        first_tiles.append(first_tile)
         tail = take % vec
         first_tile += -(-(take - tail) // tile_bytes) + (tail != 0)
     _check_disjoint(owned)
+    programs = min(num_programs, first_tile)
+    flat.extend(_split_tiles(first_tiles, first_tile, programs))
     table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-    return CopyPlan(table.view(-1, 4), vec, tile_bytes, first_tile, total)
+    return CopyPlan(table, len(segments), programs, vec, tile_bytes, first_tile, total)
+
+
+def _split_tiles(first_tiles: array, num_tiles: int, programs: int) -> array:
+    """Program rows: ``num_tiles`` tiles in ``programs`` contiguous ranges of equal length
+    (+-1), each with the segment its first tile falls in (every segment has a tile)."""
+    rows = array("q")
+    for p in range(programs):
+        begin, end = num_tiles * p // programs, num_tiles * (p + 1) // programs
+        rows.extend((bisect_right(first_tiles, begin) - 1, begin, end))
+    return rows
 
 
 def _check_disjoint(owned: list[tuple[int, int, int]]) -> None:

@@ -523,17 +523,14 @@ def prebuilt_launch(
     Planned by :func:`ecoffload.kernels.plan_batch`, exactly as the engine plans:
     the same access width for the same tensors.
     """
-    base, plan = plan_batch(sources, tables, arena, block_bytes, tile_bytes=config.tile_bytes)
+    base, plan = plan_batch(sources, tables, arena, block_bytes, config=config)
     if base is None:
         return lambda: None
-    plan = replace(plan, segments=plan.segments.to(arena.device))
+    plan = replace(plan, table=plan.table.to(arena.device))
 
     def launch() -> None:
         with torch.cuda.stream(stream) if stream is not None else _null():
-            launch_block_copy(
-                base, arena, plan, to_arena=to_arena,
-                num_programs=config.num_programs, num_warps=config.num_warps,
-            )  # fmt: skip
+            launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps)
 
     return launch
 

@@ -41,7 +41,8 @@ def compiled(items, arena, tables, to_arena, num_warps=4):
     base, plan = plan_batch(items, tables, arena, B)
     kwargs = dict(TO_ARENA=to_arena, VEC=plan.vec_bytes, TILE_BYTES=plan.tile_bytes,
                   num_warps=num_warps)
-    bound, spec, opts = binder(base, arena, plan.segments, plan.num_segments, **kwargs)
+    rows = 4 * plan.num_segments
+    bound, spec, opts = binder(base, arena, plan.table[:rows], plan.table[rows:], **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, spec, opts)
     src = ASTSource(kernel, signature, constexprs, attrs)
     ptx = compile(src, target=target, options=options.__dict__).asm["ptx"]

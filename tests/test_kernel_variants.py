@@ -45,19 +45,19 @@ class Ptr:  # what the binder reads of a tensor argument
 binder = create_function_from_signature(
     kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
 keys = []
-for items, arena, segs, num_segs in json.loads(sys.argv[1]):
+for items, arena, segs, progs in json.loads(sys.argv[1]):
     _, spec, _ = binder(Ptr(items, torch.uint8), Ptr(arena, torch.uint8), Ptr(segs, torch.int64),
-                        num_segs, TO_ARENA=True, VEC=2, TILE_BYTES=16384)
+                        Ptr(progs, torch.int64), TO_ARENA=True, VEC=2, TILE_BYTES=16384)
     keys.append(repr(spec))
 print("KEYS", json.dumps(keys))
 """
 
 LAUNCHES = [
-    # items base, arena base, segment table, num_segs
-    (0x7F0000010000, 0x7E0000000000, 0x7D0000000000, 1),
-    (0x7F0000010002, 0x7E0000000000, 0x7D0000000000, 16),
-    (0x7F0000010006, 0x7E0000001002, 0x7D0000000200, 37),
-    (0x7F0000010000, 0x7E0000000000, 0x7D0000000000, 4096),
+    # items base, arena base, segment rows, program rows (after 1, 16, 37, 4096 segments)
+    (0x7F0000010000, 0x7E0000000000, 0x7D0000000000, 0x7D0000000000 + 8 * 4 * 1),
+    (0x7F0000010002, 0x7E0000000000, 0x7D0000000000, 0x7D0000000000 + 8 * 4 * 16),
+    (0x7F0000010006, 0x7E0000001002, 0x7D0000000200, 0x7D0000000200 + 8 * 4 * 37),
+    (0x7F0000010000, 0x7E0000000000, 0x7D0000000000, 0x7D0000000000 + 8 * 4 * 4096),
 ]
 
 
