@@ -2,6 +2,7 @@
 stream ordering. Marked `gpu`; they skip cleanly without CUDA. Run: pytest -m gpu"""
 
 import random
+import time
 
 import pytest
 import torch
@@ -185,3 +186,28 @@ def test_misaligned_views_on_both_sides_round_trip_compiled(arena, item_offset, 
     torch.cuda.synchronize()
     assert torch.equal(target, item)
     assert (out[:item_offset] == POISON).all() and (out[item_offset + 3 * B - 5 :] == POISON).all()
+
+
+def test_save_and_load_return_to_the_host_behind_queued_compute_and_loads_overlap_it(arena):
+    """The hot path never waits for the model: the segment table goes up from pinned
+    memory, a save only orders itself after the producer, a load after nothing."""
+    mover = BlockMover(arena, "cuda")
+    src = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    tables = [[(0, 128)]]
+    mover.save([src], tables).wait()  # warm: compiled, pools filled
+    a = torch.randn(4096, 4096, device="cuda")
+    compute_done = torch.cuda.Event()
+    for _ in range(40):  # tens of ms of queued compute on the caller's stream
+        a = a @ a / 64
+    compute_done.record()
+    start = time.perf_counter()
+    saved = mover.save([src], tables)
+    (out,), loaded = mover.load(tables, [(torch.bfloat16, (64, 4096))])
+    host_s = time.perf_counter() - start
+    assert not compute_done.query(), "the matmuls finished too early to tell"
+    assert host_s < 0.005, f"save + load held the host {host_s * 1e3:.1f} ms behind compute"
+    loaded.wait()  # the load ran beside the matmuls...
+    assert not compute_done.query(), "the load waited for the queued compute"
+    saved.wait()  # ...the save after them (it must read what they produced)
+    assert compute_done.query()
+    assert same_bytes(out, src)
