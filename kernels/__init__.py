@@ -10,6 +10,7 @@ tensors under the Triton interpreter.
 from .api import (
     PACK_CONFIG,
     UNPACK_CONFIG,
+    ItemViews,
     LaunchConfig,
     empty_items,
     kernel_variants,
@@ -28,6 +29,7 @@ __all__ = [
     "UNPACK_CONFIG",
     "VEC_WIDTHS",
     "CopyPlan",
+    "ItemViews",
     "KernelVariant",
     "LaunchConfig",
     "PlanError",

@@ -15,6 +15,7 @@ same launch works in both modes and items may live in separate allocations.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -135,27 +136,61 @@ def unpack(
     Only the outputs are written.
     """
     with nvtx_range("ecoffload.unpack"):
-        _run(list(outputs), tables, arena, block_bytes, config, backend, to_arena=False)
+        outputs = outputs if isinstance(outputs, ItemViews) else list(outputs)
+        _run(outputs, tables, arena, block_bytes, config, backend, to_arena=False)
+
+
+class ItemViews(list):
+    """Per-item tensors that are views of one buffer, as :func:`empty_items` makes them.
+
+    It also carries the buffer and each item's byte offset and size, so
+    :func:`unpack` into it plans without asking each tensor for its address.
+    """
+
+    def __init__(self, views: list[torch.Tensor], buffer: torch.Tensor,
+                 offsets: list[int], nbytes: list[int]) -> None:  # fmt: skip
+        super().__init__(views)
+        self.buffer, self.offsets, self.nbytes = buffer, offsets, nbytes
 
 
 def empty_items(
     specs: Sequence[tuple[torch.dtype, Sequence[int]]], device: torch.device | str
-) -> list[torch.Tensor]:
+) -> ItemViews:
     """Uninitialised tensors of the given (dtype, shape), as views of one buffer.
 
     Each item starts at a multiple of 256 bytes, so :func:`unpack` writes all
-    of them in place with full-width accesses.
+    of them in place with full-width accesses. One allocation; when every item
+    has the same dtype (the usual case) the views are made without going
+    through bytes.
     """
-    sizes = [torch.Size(shape).numel() * dt.itemsize for dt, shape in specs]
+    nbytes = [math.prod(shape) * dt.itemsize for dt, shape in specs]
     offsets, total = [], 0
-    for n in sizes:
+    for n in nbytes:
         offsets.append(total)
         total += -(-n // ITEM_ALIGN) * ITEM_ALIGN
+    dtypes = {dt for dt, _ in specs}
+    if len(dtypes) == 1:
+        (dtype,) = dtypes
+        typed = torch.empty(total // dtype.itemsize, dtype=dtype, device=device)
+        views = [
+            torch.as_strided(typed, shape, _contiguous_strides(shape), offset // dtype.itemsize)
+            for offset, (_, shape) in zip(offsets, specs, strict=True)
+        ]
+        return ItemViews(views, typed.view(torch.uint8), offsets, nbytes)
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    return [
+    views = [
         buffer[o : o + n].view(dt).view(tuple(shape))
-        for o, n, (dt, shape) in zip(offsets, sizes, specs, strict=True)
+        for o, n, (dt, shape) in zip(offsets, nbytes, specs, strict=True)
     ]
+    return ItemViews(views, buffer, offsets, nbytes)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _run(
@@ -217,7 +252,11 @@ def plan_batch(
     address of every segment on both sides. :func:`pack`, :func:`unpack` and
     the benchmark's prebuilt launches all plan through here.
     """
-    base, offsets, nbytes, span = _item_layout(list(tensors))
+    if isinstance(tensors, ItemViews):  # one buffer: its layout is known
+        base, offsets, nbytes = tensors.buffer, tensors.offsets, tensors.nbytes
+        span = base.numel()
+    else:
+        base, offsets, nbytes, span = _item_layout(list(tensors))
     plan = plan_copy(
         offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
         items_bytes=span, tile_bytes=config.tile_bytes, num_programs=config.num_programs,

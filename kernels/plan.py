@@ -33,9 +33,13 @@ place, from the absolute address of every segment's source and destination
 access is a sticky "misaligned address" error on a GPU; the Triton
 interpreter never faults, so this is checked on addresses by the tests.
 
-Plain Python on purpose: a step has a few extents per item, and a loop over
-them costs ~1 us per extent where numpy would cost ~60 us per call in
-overhead. Cost grows with extents, never with blocks.
+Two implementations of one contract, chosen by size: a plain Python loop for
+steps of a few extents (numpy's per-call overhead would dominate there), and
+a vectorised numpy pass for fragmented steps (thousands of extents), where
+the loop's ~1 us per extent would cost milliseconds. The loop is the
+reference: when the vectorised pass finds any fault it hands the step to the
+loop, which names the first fault precisely. Cost grows with extents, never
+with blocks.
 """
 
 from __future__ import annotations
@@ -45,11 +49,13 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 Extents = Sequence[tuple[int, int]]
 
 MAX_VEC_BYTES = 16
+VECTORISE_FROM = 64  # extents per step from which numpy's whole-array passes pay
 VEC_WIDTHS = (1, 2, 4, 8, 16)  # every access width a plan can pick
 
 
@@ -117,7 +123,30 @@ def plan_copy(
         raise PlanError(
             f"arena of {arena_bytes} bytes is not a whole number of {block_bytes}-byte blocks"
         )
-    num_blocks = arena_bytes // block_bytes
+    args = (item_offsets, item_nbytes, tables, block_bytes, arena_bytes // block_bytes,
+            items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
+    if sum(len(table) for table in tables) >= VECTORISE_FROM:
+        segments = _segments_vectorised(*args)
+        if segments is not None:
+            flat, first_tiles, num_tiles, vec, total = segments
+            return _finish(flat, first_tiles, num_tiles, vec, total, tile_bytes, num_programs)
+    flat, first_tiles, num_tiles, vec, total = _segments_loop(*args)
+    return _finish(flat, first_tiles, num_tiles, vec, total, tile_bytes, num_programs)
+
+
+def _finish(flat, first_tiles, num_tiles, vec, total, tile_bytes, num_programs) -> CopyPlan:
+    programs = min(num_programs, num_tiles)
+    flat.extend(_split_tiles(first_tiles, num_tiles, programs))
+    table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
+    return CopyPlan(table, len(first_tiles), programs, vec, tile_bytes, num_tiles, total)
+
+
+def _segments_loop(
+    item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
+    items_base, arena_base,
+) -> tuple[array, array, int, int, int]:  # fmt: skip
+    """(segment rows, first tiles, tiles, access width, bytes): one item, one extent
+    at a time; raises PlanError naming the first fault."""
     segments: list[tuple[int, int, int]] = []  # (item_offset, arena_offset, nbytes)
     owned: list[tuple[int, int, int]] = []  # (start, count, item) to find blocks given twice
     align_bits = MAX_VEC_BYTES
@@ -171,10 +200,49 @@ def plan_copy(
         tail = take % vec
         first_tile += -(-(take - tail) // tile_bytes) + (tail != 0)
     _check_disjoint(owned)
-    programs = min(num_programs, first_tile)
-    flat.extend(_split_tiles(first_tiles, first_tile, programs))
-    table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-    return CopyPlan(table, len(segments), programs, vec, tile_bytes, first_tile, total)
+    return flat, first_tiles, first_tile, vec, total
+
+
+
+def _segments_vectorised(
+    item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
+    items_base, arena_base,
+) -> tuple[array, array, int, int, int] | None:  # fmt: skip
+    """What :func:`_segments_loop` returns, in whole-array passes; None if anything
+    is wrong (the loop then names the fault)."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    extents = np.array([e for table in tables for e in table], np.int64).reshape(-1, 2)
+    starts, counts = extents[:, 0], extents[:, 1]
+    offsets = np.asarray(item_offsets, np.int64)
+    nbytes = np.asarray(item_nbytes, np.int64)
+    if (nbytes < 0).any() or (offsets < 0).any() or (offsets + nbytes > items_bytes).any():
+        return None
+    if (counts <= 0).any() or (starts < 0).any() or (starts + counts > num_blocks).any():
+        return None
+    item = np.repeat(np.arange(len(lens)), lens)  # the item of each extent
+    span = counts * block_bytes
+    stream_pos = np.cumsum(span) - span  # where each extent starts in the step's byte stream
+    item_pos = np.zeros(len(lens), np.int64)  # ...and where each item starts in it
+    item_pos[lens > 0] = stream_pos[(np.cumsum(lens) - lens)[lens > 0]]
+    pos = stream_pos - item_pos[item]  # where each extent starts inside its item
+    take = np.minimum(span, nbytes[item] - pos)
+    if (take <= 0).any() or (span - take >= block_bytes).any():
+        return None  # a block past the item's end, or a whole extent unwritten
+    if (np.bincount(item, weights=take, minlength=len(lens)) != nbytes).any():
+        return None  # an item not covered exactly
+    order = np.argsort(starts, kind="stable")
+    if (starts[order][1:] < (starts + counts)[order][:-1]).any():
+        return None  # blocks given twice
+    src = offsets[item] + pos
+    dst = starts * block_bytes
+    bits = np.bitwise_or.reduce(items_base + src) | np.bitwise_or.reduce(arena_base + dst)
+    vec = int((bits | MAX_VEC_BYTES) & -(bits | MAX_VEC_BYTES))
+    tail = take % vec
+    tiles = -(-(take - tail) // tile_bytes) + (tail != 0)
+    first_tiles = np.cumsum(tiles) - tiles
+    rows = np.stack([src, dst, take, first_tiles], axis=1)
+    return (array("q", rows.tobytes()), array("q", first_tiles.tobytes()),
+            int(tiles.sum()), vec, int(nbytes.sum()))  # fmt: skip
 
 
 def _split_tiles(first_tiles: array, num_tiles: int, programs: int) -> array:
