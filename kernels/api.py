@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -41,6 +42,10 @@ class LaunchConfig:
     num_programs: int
     num_warps: int
     tile_bytes: int = 16384
+    # Segments (contiguous on both sides) of at least this many bytes go to the
+    # copy engine, one ``copy_`` each on the same stream, the rest to the kernel.
+    # None until measured on the GPU (profiling/bench.py's DMA rows decide).
+    dma_min_bytes: int | None = None
 
 
 PACK_CONFIG = LaunchConfig(num_programs=8, num_warps=8)
@@ -215,7 +220,7 @@ def _run(
         backend = "triton" if triton_available(arena.device) else "reference"
     if backend not in ("triton", "reference"):
         raise PlanError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    base, plan = plan_batch(tensors, tables, arena, block_bytes, config=config)
+    base, offsets, plan = _plan(tensors, tables, arena, block_bytes, config)
     if backend == "reference":
         if to_arena:
             reference_pack(tensors, tables, arena, block_bytes)
@@ -233,8 +238,31 @@ def _run(
             raise PlanError(
                 f"tensor {i} is on {t.device}, expected the arena's device {arena.device}"
             )
+    if plan.dma:
+        _copy_engine(plan.dma, tensors, offsets, arena, to_arena=to_arena)
     if base is not None:
         launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps)
+
+
+def _copy_engine(
+    segments: Sequence[tuple[int, int, int]],
+    tensors: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    arena: torch.Tensor,
+    *,
+    to_arena: bool,
+) -> None:
+    """One ``copy_`` per long segment, on the current stream (cudaMemcpyAsync on CUDA)."""
+    nonempty = [i for i, t in enumerate(tensors) if t.numel()]
+    by_start = sorted(nonempty, key=offsets.__getitem__)
+    starts = [offsets[i] for i in by_start]
+    for src, dst, nbytes in segments:
+        item = by_start[bisect_right(starts, src) - 1]  # segments never cross items
+        data = byte_view(tensors[item])[src - offsets[item] :][:nbytes]
+        if to_arena:
+            arena[dst : dst + nbytes].copy_(data, non_blocking=True)
+        else:
+            data.copy_(arena[dst : dst + nbytes], non_blocking=True)
 
 
 def plan_batch(
@@ -252,6 +280,17 @@ def plan_batch(
     address of every segment on both sides. :func:`pack`, :func:`unpack` and
     the benchmark's prebuilt launches all plan through here.
     """
+    base, _, plan = _plan(tensors, tables, arena, block_bytes, config)
+    return base, plan
+
+
+def _plan(
+    tensors: Sequence[torch.Tensor],
+    tables: Sequence[Extents],
+    arena: torch.Tensor,
+    block_bytes: int,
+    config: LaunchConfig,
+) -> tuple[torch.Tensor | None, list[int], CopyPlan]:
     if isinstance(tensors, ItemViews):  # one buffer: its layout is known
         base, offsets, nbytes = tensors.buffer, tensors.offsets, tensors.nbytes
         span = base.numel()
@@ -261,8 +300,9 @@ def plan_batch(
         offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
         items_bytes=span, tile_bytes=config.tile_bytes, num_programs=config.num_programs,
         items_base=base.data_ptr() if base is not None else 0, arena_base=arena.data_ptr(),
+        dma_min_bytes=config.dma_min_bytes,
     )  # fmt: skip
-    return base, plan
+    return base, offsets, plan
 
 
 def _item_layout(

@@ -72,6 +72,9 @@ class CopyPlan:
     tile_bytes: int
     num_tiles: int
     nbytes: int  # bytes moved in all
+    # Segments long enough for the copy engine: (item_offset, arena_offset, nbytes),
+    # not in the table (see ``dma_min_bytes``).
+    dma: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def segments(self) -> torch.Tensor:
@@ -96,6 +99,7 @@ def plan_copy(
     items_base: int = 0,
     arena_base: int = 0,
     num_programs: int = 1,
+    dma_min_bytes: int | None = None,
 ) -> CopyPlan:
     """Build and validate the segment table for one launch.
 
@@ -111,6 +115,8 @@ def plan_copy(
             ``items_base + item_offset`` and ``arena_base + arena_offset``.
         num_programs: programs to split the tiles between (fewer if there are
             fewer tiles).
+        dma_min_bytes: segments of at least this many bytes are left to the copy
+            engine (``CopyPlan.dma``) instead of the kernel; None: none are.
     """
     if num_programs <= 0:
         raise PlanError(f"num_programs must be positive, got {num_programs}")
@@ -125,20 +131,38 @@ def plan_copy(
         )
     args = (item_offsets, item_nbytes, tables, block_bytes, arena_bytes // block_bytes,
             items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
+    segments = None
     if sum(len(table) for table in tables) >= VECTORISE_FROM:
         segments = _segments_vectorised(*args)
-        if segments is not None:
-            flat, first_tiles, num_tiles, vec, total = segments
-            return _finish(flat, first_tiles, num_tiles, vec, total, tile_bytes, num_programs)
-    flat, first_tiles, num_tiles, vec, total = _segments_loop(*args)
-    return _finish(flat, first_tiles, num_tiles, vec, total, tile_bytes, num_programs)
-
-
-def _finish(flat, first_tiles, num_tiles, vec, total, tile_bytes, num_programs) -> CopyPlan:
+    flat, first_tiles, num_tiles, vec, total = segments or _segments_loop(*args)
+    dma: list[tuple[int, int, int]] = []
+    if dma_min_bytes is not None:
+        flat, first_tiles, num_tiles, dma = _leave_long_segments_to_dma(
+            flat, vec, tile_bytes, dma_min_bytes
+        )
     programs = min(num_programs, num_tiles)
     flat.extend(_split_tiles(first_tiles, num_tiles, programs))
     table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-    return CopyPlan(table, len(first_tiles), programs, vec, tile_bytes, num_tiles, total)
+    return CopyPlan(
+        table, len(first_tiles), programs, vec, tile_bytes, num_tiles, total, tuple(dma)
+    )
+
+
+def _leave_long_segments_to_dma(
+    flat: array, vec: int, tile_bytes: int, min_bytes: int
+) -> tuple[array, array, int, list[tuple[int, int, int]]]:
+    """Segment rows without those of ``min_bytes`` or more (tiles renumbered), and those."""
+    kept, first_tiles, dma, tile = array("q"), array("q"), [], 0
+    for i in range(0, len(flat), 4):
+        src, dst, take = flat[i], flat[i + 1], flat[i + 2]
+        if take >= min_bytes:
+            dma.append((src, dst, take))
+            continue
+        kept.extend((src, dst, take, tile))
+        first_tiles.append(tile)
+        tail = take % vec
+        tile += -(-(take - tail) // tile_bytes) + (tail != 0)
+    return kept, first_tiles, tile, dma
 
 
 def _segments_loop(

@@ -149,6 +149,7 @@ def test_a_cuda_mover_warms_up_when_it_is_created(monkeypatch, registered):
 
     calls = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kwargs: None)
     monkeypatch.setattr(transfer, "warm_up", lambda device, **kw: calls.append((device, kw)))
     config = LaunchConfig(4, 2)
     mover = transfer.BlockMover(FakeArena(registered), "cuda:1", pack_config=config)
