@@ -48,6 +48,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -235,7 +236,12 @@ def _segments_vectorised(
     """What :func:`_segments_loop` returns, in whole-array passes; None if anything
     is wrong (the loop then names the fault)."""
     lens = np.fromiter(map(len, tables), np.int64, len(tables))
-    extents = np.array([e for table in tables for e in table], np.int64).reshape(-1, 2)
+    flat = chain.from_iterable(chain.from_iterable(tables))  # no tuple list in between
+    try:
+        extents = np.fromiter(flat, np.int64, 2 * int(lens.sum())).reshape(-1, 2)
+    except (ValueError, TypeError, OverflowError):
+        return None  # not (start, count) pairs of ints
+
     starts, counts = extents[:, 0], extents[:, 1]
     offsets = np.asarray(item_offsets, np.int64)
     nbytes = np.asarray(item_nbytes, np.int64)
