@@ -153,10 +153,12 @@ log "ecoffload: $install; imported from $ecoffload_from"
 # 3. Tests: the gpu tests and every kernel test, compiled ------------------------------------
 pytest_args=(-m "gpu or kernel" -p no:cacheprovider -q -rs tests/)
 bench_cmd=("$py" -m ecoffload.profiling.bench --out "$out" $bench_mode)
+host_cmd=("$py" -m ecoffload.profiling.bench_host --repeat 50)
 if [ "$dry_run" = 1 ]; then
   echo "pytest command: $(printf '%q ' "$py" -m pytest "${pytest_args[@]}" --junitxml="$out/pytest.xml")"
   "$py" -m pytest --collect-only "${pytest_args[@]}" 2>&1 | tee "$out/collected.txt"
   pytest_rc=${PIPESTATUS[0]}
+  echo "host-cost command: $(printf '%q ' timeout 40 "${host_cmd[@]}")> $out/bench_host.md"
   echo "benchmark command: $(printf '%q ' timeout "${budget_s}" "${bench_cmd[@]}")(timeout: what is left of ${budget_s}s)"
   status="dry run"
   [ "$pytest_rc" = 0 ] || status="dry run: collection failed"
@@ -193,7 +195,11 @@ with open(sys.argv[1], "w") as f:
 EOF
 arena_rc=${PIPESTATUS[0]}
 
-# 5. Benchmark (writes bench.json even when parts fail or the timeout hits) -------------------
+# 5. Host cost per step (before/after issue 10) and the stall test behind queued matmuls ------
+timeout 40 "${host_cmd[@]}" 2>&1 | tee "$out/bench_host.md"
+log "bench_host exit status ${PIPESTATUS[0]}"
+
+# 6. Benchmark (writes bench.json even when parts fail or the timeout hits) -------------------
 left=$(( budget_s - ($(date +%s) - start) ))
 [ "$left" -lt 30 ] && left=30
 log "benchmark: ${bench_cmd[*]} (timeout ${left}s)"
