@@ -35,7 +35,7 @@ import torch
 
 from ..profiling.nvtx import nvtx_range
 from .allocator import BlockAllocator
-from .arena import DEFAULT_DIR, Arena, RegisterMode
+from .arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
 from .catalog import Catalog, CatalogStats
 from .sizes import parse_bytes
 from .transfer import BlockMover, Completion, split_completed
@@ -74,7 +74,9 @@ class OffloadCache:
         self.arena = arena
         self.integrity = integrity
         self.integrity_failures = 0
-        self.catalog = Catalog(BlockAllocator(arena.num_blocks, arena.block_bytes))
+        self.catalog = Catalog(
+            BlockAllocator(arena.num_blocks, arena.block_bytes, arena.ready_blocks)
+        )
         self.mover = BlockMover(arena, device)
         self.device = self.mover.device
         self._pending_saves: list[tuple[Completion, list[str]]] = []
@@ -92,8 +94,12 @@ class OffloadCache:
         device: torch.device | str | None = None,
         register_cuda: RegisterMode = "auto",
         integrity: bool = False,
+        populate: PopulateMode = "eager",
     ) -> OffloadCache:
-        """A new cache over a new arena of (at most) ``arena_bytes`` bytes."""
+        """A new cache over a new arena of (at most) ``arena_bytes`` bytes.
+
+        ``populate="background"`` returns at once; saves use the blocks populated
+        so far (see :class:`~ecoffload.engine.arena.Arena`)."""
         block = parse_bytes(block_bytes, name="block_bytes")
         total = parse_bytes(arena_bytes, name="arena_bytes")
         arena = Arena.create(
@@ -104,6 +110,7 @@ class OffloadCache:
             directory=directory,
             processes=1,  # nobody else attaches: unlink the name at once
             register_cuda=register_cuda,
+            populate=populate,
         )
         return cls(arena, device, integrity=integrity)
 
@@ -117,6 +124,8 @@ class OffloadCache:
         """
         with nvtx_range("ecoffload.cache.save"):
             self.poll()
+            if self.catalog.allocator.ready_blocks < self.arena.num_blocks:
+                self.catalog.allocator.add_ready(self.arena.ready_blocks)
             result, sources, tables = SaveResult(), [], []
             result.already_cached = [k for k in items if self.catalog.state(k) is not None]
             ready = [k for k in result.already_cached if k in self.catalog]

@@ -3,7 +3,10 @@
 ``cudaHostRegister(Portable | Mapped)`` pins the mmap'd pages and maps them into
 the GPU's address space, so a kernel can read and write them over PCIe with
 ordinary loads and stores (zero-copy). Registration goes in chunks of at most
-64 GiB: single calls of hundreds of GiB fail on recent drivers.
+64 GiB: single calls of hundreds of GiB fail on recent drivers. With
+``defer=True`` nothing is registered up front: the arena registers chunks with
+:meth:`HostRegistration.register` as its populate makes them ready, and a
+process copies through the alias only the blocks it has registered.
 
 The alias is a CUDA ``torch.Tensor`` whose storage is the registered range
 (device pointer from ``pointerGetAttributes``; with UVA it equals the host
@@ -31,35 +34,60 @@ _PORTABLE, _MAPPED = 0x01, 0x02
 class HostRegistration:
     """A host range registered with CUDA (Portable | Mapped), unregistered by ``close``."""
 
-    def __init__(self, host_ptr: int, nbytes: int, chunk_bytes: int = REGISTER_CHUNK_BYTES):
+    def __init__(
+        self,
+        host_ptr: int,
+        nbytes: int,
+        chunk_bytes: int = REGISTER_CHUNK_BYTES,
+        *,
+        defer: bool = False,
+    ) -> None:
+        """Register ``nbytes`` at ``host_ptr`` now, or (``defer``) chunk by chunk through
+        :meth:`register` as the arena's pages become ready."""
         import cupy  # optional dependency: extras cuda12 / cuda13
 
         self._cupy = cupy
         self.host_ptr, self.nbytes = host_ptr, nbytes
+        self.device_index = cupy.cuda.runtime.getDevice()  # a registering thread's device
+        self.device_ptr: int | None = None  # of byte 0, once any chunk is registered
         self._chunks: list[int] = []
         self._aliases: dict[int, torch.Tensor] = {}  # device index -> alias
+        if defer:
+            return
         try:
             for offset in range(0, nbytes, chunk_bytes):
-                size = min(chunk_bytes, nbytes - offset)
-                cupy.cuda.runtime.hostRegister(host_ptr + offset, size, _PORTABLE | _MAPPED)
-                self._chunks.append(host_ptr + offset)
-            self.device_ptr = self._device_ptr_of_chunks(chunk_bytes)
+                self.register(offset, min(chunk_bytes, nbytes - offset))
         except Exception:
             self.close()
             raise
 
-    def _device_ptr_of_chunks(self, chunk_bytes: int) -> int:
+    def register(self, offset: int, size: int) -> None:
+        """Register bytes ``[offset, offset + size)`` (at most 64 GiB), from any thread.
+
+        The chunk's device address must continue the others' (unified addressing),
+        so one alias based at byte 0 covers every registered chunk.
+        """
+        if size > REGISTER_CHUNK_BYTES or offset < 0 or offset + size > self.nbytes:
+            raise ArenaError(
+                f"cannot register [{offset}, {offset + size}) of a {self.nbytes}-byte range in "
+                f"one call: chunks are at most {REGISTER_CHUNK_BYTES} bytes and inside the range"
+            )
         runtime = self._cupy.cuda.runtime
-        base = runtime.pointerGetAttributes(self.host_ptr).devicePointer
-        for i, chunk in enumerate(self._chunks[1:], start=1):
-            found = runtime.pointerGetAttributes(chunk).devicePointer
-            if found != base + i * chunk_bytes:
-                raise ArenaError(
-                    f"registered chunk {i} maps to device address {found:#x}, expected "
-                    f"{base + i * chunk_bytes:#x} (contiguous): this platform has no unified "
-                    "addressing; use an arena of at most 64 GiB"
-                )
-        return base
+        ptr = self.host_ptr + offset
+        with self._cupy.cuda.Device(self.device_index):
+            runtime.hostRegister(ptr, size, _PORTABLE | _MAPPED)
+            self._chunks.append(ptr)
+            base = runtime.pointerGetAttributes(ptr).devicePointer - offset
+        if self.device_ptr is None:
+            self.device_ptr = base
+        elif base != self.device_ptr:
+            self._chunks.pop()
+            runtime.hostUnregister(ptr)
+            raise ArenaError(
+                f"registered chunk at offset {offset} maps to device address {base + offset:#x}, "
+                f"expected {self.device_ptr + offset:#x} (contiguous): this platform has no "
+                "unified addressing; use an arena of at most 64 GiB"
+            )
 
     def device_alias(self, device: torch.device | str) -> torch.Tensor:
         """The uint8 CUDA tensor of ``nbytes`` on ``device`` aliasing the registered range.
@@ -77,6 +105,8 @@ class HostRegistration:
         if alias is not None:
             return alias
         cupy = self._cupy
+        if self.device_ptr is None:
+            raise ArenaError("no chunk of the arena is registered yet: no device alias")
         with cupy.cuda.Device(index):
             memory = cupy.cuda.UnownedMemory(self.device_ptr, self.nbytes, self, device_id=index)
             array = cupy.ndarray(

@@ -23,6 +23,10 @@ Paths, chosen once per mover:
   (CPU under ``TRITON_INTERPRET=1``).
 * ``reference``: torch slice copies through the host tensor, when no kernel can
   run (CPU without the interpreter, or an arena CUDA could not register).
+
+On the kernel path, items with a block this process has not registered (the
+arena is still being populated, or that chunk's registration failed: see
+``Arena.covers``) take the reference path in the same call.
 """
 
 from __future__ import annotations
@@ -200,8 +204,27 @@ class BlockMover:
     ) -> None:
         block = self.arena.block_bytes
         backend = "auto" if self.path == "kernel" else "reference"
+        if backend == "auto" and self.arena.registered:
+            unregistered = {i for i, table in enumerate(tables) if not self.arena.covers(table)}
+            if unregistered:
+                host = sorted(unregistered)
+                self._host_copy([tensors[i] for i in host], [tables[i] for i in host], to_arena)
+                rest = [i for i in range(len(tables)) if i not in unregistered]
+                tensors, tables = [tensors[i] for i in rest], [tables[i] for i in rest]
+                if not tensors:
+                    return
         arena = self._arena_view()
         if to_arena:
             pack(tensors, tables, arena, block, config=self.pack_config, backend=backend)
         else:
             unpack(arena, tables, block, tensors, config=self.unpack_config, backend=backend)
+
+    def _host_copy(
+        self, tensors: list[torch.Tensor], tables: Sequence[Extents], to_arena: bool
+    ) -> None:
+        """Reference copies through the host mapping (blocks this process has not registered)."""
+        block, host = self.arena.block_bytes, self.arena.host
+        if to_arena:
+            pack(tensors, tables, host, block, backend="reference")
+        else:
+            unpack(host, tables, block, tensors, backend="reference")
