@@ -233,8 +233,10 @@ class Arena:
             populator = _Populator(mm, data_offset, total, populate_threads, path)
             if populate == "eager":
                 populator.run()
-            ready = 0 if populate == "background" else total - data_offset
-            _READY.pack_into(mm, _READY_OFFSET, ready)
+            elif populate == "background":
+                populator.run_first()  # ~0.1 s: some blocks are ready when attachers look
+            if populate == "lazy":
+                _READY.pack_into(mm, _READY_OFFSET, total - data_offset)
             mm[_KEY_OFFSET : _KEY_OFFSET + len(key)] = key
             mm[0:8] = MAGIC  # last: attachers treat the header as valid from here on
             arena = cls(path, fd, mm, created=True)
@@ -386,9 +388,7 @@ class Arena:
         if self.created:
             self._unlink()
         self.device = None
-        for worker in (self._registrar, self._populator):
-            if worker is not None:
-                worker.stop()  # before unregistering or unmapping what they touch
+        self._stop_workers()  # before unregistering or unmapping what they touch
         if self._registration is not None:
             self._registration.close()
             self._registration = None
@@ -406,6 +406,13 @@ class Arena:
                 self.path,
             )
         os.close(self._fd)
+
+    def _stop_workers(self) -> None:
+        workers = (self._registrar, self._populator)
+        self._registrar = self._populator = None  # they reference the mapping too
+        for worker in workers:
+            if worker is not None:
+                worker.stop()
 
     def __enter__(self) -> Arena:
         return self
@@ -551,14 +558,27 @@ class _Populator:
         """Populate everything now (eager)."""
         self.start()
         self.join()
+        self._raise_failure()
+
+    def run_first(self) -> None:
+        """Populate the first chunk in the caller's thread (then ``start`` the rest)."""
+        self._begin()
+        self._step()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
         if self.failure is not None:
             raise ArenaError(f"{self.failure}; is there enough free memory for the arena?")
 
+    def _begin(self) -> None:
+        if not self._base:
+            buf = ctypes.c_char.from_buffer(self._mm)
+            self._base = ctypes.addressof(buf)
+            del buf  # release the buffer export at once, or mm.close() would fail
+            self._t0 = self._last_log = time.monotonic()
+
     def start(self) -> None:
-        buf = ctypes.c_char.from_buffer(self._mm)
-        self._base = ctypes.addressof(buf)
-        del buf  # release the buffer export at once, or mm.close() would fail
-        self._t0 = self._last_log = time.monotonic()
+        self._begin()
         self._workers = [
             threading.Thread(target=self._work, name=f"ecoffload-populate-{i}", daemon=True)
             for i in range(self.threads)
@@ -576,31 +596,37 @@ class _Populator:
         self.join()
 
     def _work(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self._step():
+            pass
+
+    def _step(self) -> bool:
+        """Fault the next chunk; False when there is none left (or populate failed)."""
+        with self._lock:
+            i = self._next
+            if i >= len(self._chunks) or self.failure is not None:
+                return False
+            self._next += 1
+        offset, size = self._chunks[i]
+        try:
+            _fault(self._mm, int(self._base), offset, size, self._path)
+        except OSError as exc:
+            exc.with_traceback(None)  # kept: must not hold this frame (and the mapping)
             with self._lock:
-                i = self._next
-                if i >= len(self._chunks) or self.failure is not None:
-                    return
-                self._next += 1
-            offset, size = self._chunks[i]
-            try:
-                _fault(self._mm, int(self._base), offset, size, self._path)
-            except OSError as exc:
-                with self._lock:
-                    self.failure = self.failure or exc
-                log.error(
-                    "arena %s: populate stopped at %d of %d MiB (%s); only the ready part is "
-                    "used", self._path, self._ready() >> 20, (self._end - self._start) >> 20, exc,
-                )  # fmt: skip
-                return
-            with self._lock:
-                self._finished.add(i)
-                while self._prefix in self._finished:
-                    self._finished.discard(self._prefix)
-                    self._prefix += 1
-                ready = self._ready()
-                _READY.pack_into(self._mm, _READY_OFFSET, ready)
-                self._progress(ready)
+                self.failure = self.failure or exc
+            log.error(
+                "arena %s: populate stopped at %d of %d MiB (%s); only the ready part is used",
+                self._path, self._ready() >> 20, (self._end - self._start) >> 20, exc,
+            )  # fmt: skip
+            return False
+        with self._lock:
+            self._finished.add(i)
+            while self._prefix in self._finished:
+                self._finished.discard(self._prefix)
+                self._prefix += 1
+            ready = self._ready()
+            _READY.pack_into(self._mm, _READY_OFFSET, ready)
+            self._progress(ready)
+        return True
 
     def _ready(self) -> int:
         return 0 if not self._prefix else sum(self._chunks[self._prefix - 1]) - self._start
@@ -651,6 +677,7 @@ class _Registrar:
             try:
                 self._registration.register(self.end, size)
             except Exception as exc:
+                exc.with_traceback(None)  # kept (and logged): must not hold frames on the mapping
                 self.failed.append((self.end, self.end + size))  # before end moves past it
                 if self.first_error is None:
                     self.first_error = exc
