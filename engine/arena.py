@@ -61,6 +61,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from .cuda_host import REGISTER_CHUNK_BYTES
 from .errors import (
     ArenaAttachTimeout,
     ArenaError,
@@ -432,16 +433,15 @@ class Arena:
         )
 
     def device_view(self, device: torch.device) -> torch.Tensor:
-        """The CUDA alias of the data area on ``device`` (some chunk must be registered;
-        copy only blocks :meth:`covers` accepts through it)."""
-        if self._registration is None or self._registration.device_ptr is None:
+        """The CUDA alias of the data area on ``device`` (once a first chunk is
+        registered; copy only blocks :meth:`covers` accepts through it)."""
+        r = self._registrar
+        if self._registration is None or r is None or r.alias is None:
             raise ArenaError(f"arena {self.path} is not registered with CUDA: no device view")
-        if self.device is not None and self.device.device == torch.device(device):
-            return self.device
-        alias = self._registration.device_alias(torch.device(device))
-        if self.device is None:
-            self.device = alias
-        return alias
+        if r.alias.device == torch.device(device):
+            self.device = r.alias
+            return r.alias
+        return self._registration.device_alias(device)
 
     def attached_processes(self) -> int:
         """How many processes have mapped the arena so far (creator included)."""
@@ -501,27 +501,29 @@ class Arena:
             self._registration_failed(mode, exc)
             return
         mm, nbytes = self._mm, self.nbytes
-        self._registrar = _Registrar(self._registration, nbytes, self.path)
         if mode != "always" and populate != "eager":
+            self._registrar = _Registrar(self._registration, nbytes, self.path, _REGISTER_SPAN)
             self._registrar.start(lambda: _read_ready(mm, nbytes))
             return
+        registrar = _Registrar(self._registration, nbytes, self.path, REGISTER_CHUNK_BYTES)
         try:  # synchronous: the caller gets an arena registered as far as it can be
-            while self._registrar.end < nbytes:
-                self._registrar.step(_read_ready(mm, nbytes))
-                if self._registrar.end < nbytes:
+            while registrar.end < nbytes:
+                registrar.step(_read_ready(mm, nbytes))
+                if registrar.end < nbytes:
                     if not _alive(*self._creator):  # its populate will never finish
                         raise ArenaError("the creating process died before populating it")
                     time.sleep(0.005)
-            if mode == "always" and self._registrar.first_error is not None:
-                raise self._registrar.first_error
-            if self._registration.device_ptr is not None:
-                self.device = self._registration.device_alias(
-                    torch.device("cuda", torch.cuda.current_device())
-                )
+            if mode == "always" and registrar.first_error is not None:
+                raise registrar.first_error
         except Exception as exc:
-            self._registrar = None
             self._registration.close()
             self._registration_failed(mode, exc)
+            return
+        if registrar.alias is None:  # nothing usable (and said so): plain host copies
+            self._registration.close()
+            self._registration = None
+            return
+        self._registrar, self.device = registrar, registrar.alias
 
     def _registration_failed(self, mode: RegisterMode, exc: Exception) -> None:
         self._registration = None
@@ -654,13 +656,16 @@ class _Populator:
 class _Registrar:
     """Registers a process's view of the ready prefix with CUDA, span by span.
 
-    Spans start at one populate chunk and double up to ``_REGISTER_SPAN`` (few
-    calls, yet the first blocks are usable at once). A span whose registration
-    fails is skipped (one warning) and its blocks stay host-only.
+    Spans start at one populate chunk and double up to ``span`` (few calls,
+    yet the first blocks are usable at once). A span whose registration fails
+    is skipped (one warning) and its blocks stay host-only. The device alias is
+    built after the first registered span; without it nothing is covered.
     """
 
-    def __init__(self, registration, nbytes: int, path: str) -> None:
+    def __init__(self, registration, nbytes: int, path: str, span: int) -> None:
         self._registration, self._nbytes, self._path = registration, nbytes, path
+        self._span = span
+        self.alias: torch.Tensor | None = None  # built after the first registered span
         self.end = 0  # bytes handled (registered or failed): a prefix
         self.registered_bytes = 0
         self.failed: list[tuple[int, int]] = []  # byte ranges left unregistered
@@ -671,8 +676,8 @@ class _Registrar:
     def step(self, ready: int) -> None:
         """Register what of ``[end, ready)`` makes a span worth a call."""
         while self.end < ready and not self._stop.is_set():
-            size = min(ready - self.end, _REGISTER_SPAN)
-            if ready < self._nbytes and size < min(_REGISTER_SPAN, max(_POPULATE_CHUNK, self.end)):
+            size = min(ready - self.end, self._span)
+            if ready < self._nbytes and size < min(self._span, max(_POPULATE_CHUNK, self.end)):
                 return  # wait for a longer span
             try:
                 self._registration.register(self.end, size)
@@ -691,10 +696,29 @@ class _Registrar:
                               self._path, self.end, size, exc)  # fmt: skip
             else:
                 self.registered_bytes += size
+                if self.alias is None and not self._make_alias():
+                    self.end = self._nbytes  # no alias, nothing to register for
+                    return
             self.end += size
+
+    def _make_alias(self) -> bool:
+        reg = self._registration
+        try:
+            self.alias = reg.device_alias(torch.device("cuda", reg.device_index))
+        except Exception as exc:
+            exc.with_traceback(None)
+            self.first_error = self.first_error or exc
+            log.warning(
+                "arena %s: CUDA host registration failed: no device alias (%s); transfers "
+                "fall back to host copies", self._path, exc,
+            )  # fmt: skip
+            return False
+        return True
 
     def covers(self, extents: Sequence[tuple[int, int]], block_bytes: int) -> bool:
         end, failed = self.end, self.failed  # end first: every failed span below it is listed
+        if self.alias is None:
+            return False
         if end >= self._nbytes and not failed:
             return True
         for start, count in extents:

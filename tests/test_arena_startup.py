@@ -272,20 +272,6 @@ class FakeRuntime:
         return types.SimpleNamespace(devicePointer=ptr)  # unified addressing
 
 
-@pytest.fixture
-def fake_cupy(monkeypatch):
-    """A CuPy whose runtime records registrations; CUDA looks available."""
-
-    def install(fail_offsets=()):
-        runtime = FakeRuntime(fail_offsets)
-        cuda = types.SimpleNamespace(runtime=runtime, Device=lambda index: _Ctx())
-        monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        return runtime
-
-    return install
-
-
 class _Ctx:
     def __enter__(self):
         return self
@@ -294,17 +280,36 @@ class _Ctx:
         return None
 
 
-def _host_base(monkeypatch, runtime):
-    """Record the arena's data address as the fake runtime's base when it registers."""
+ALIAS = torch.empty(0, dtype=torch.uint8)  # stands for the CUDA alias (never touched on CPU)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A CuPy whose runtime records registrations; CUDA looks available; the alias
+    is a placeholder (``alias_fails``: building it raises)."""
     from ecoffload.engine import cuda_host
 
-    real_init = cuda_host.HostRegistration.__init__
+    def install(fail_offsets=(), alias_fails=False):
+        runtime = FakeRuntime(fail_offsets)
+        cuda = types.SimpleNamespace(runtime=runtime, Device=lambda index: _Ctx())
+        monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        real_init = cuda_host.HostRegistration.__init__
 
-    def init(self, host_ptr, nbytes, *args, **kwargs):
-        runtime.base = host_ptr
-        real_init(self, host_ptr, nbytes, *args, **kwargs)
+        def init(self, host_ptr, nbytes, *args, **kwargs):
+            runtime.base = host_ptr  # offsets in runtime.calls are relative to the data area
+            real_init(self, host_ptr, nbytes, *args, **kwargs)
 
-    monkeypatch.setattr(cuda_host.HostRegistration, "__init__", init)
+        def alias(self, device):
+            if alias_fails:
+                raise RuntimeError("torch.as_tensor refused the pointer (simulated)")
+            return ALIAS
+
+        monkeypatch.setattr(cuda_host.HostRegistration, "__init__", init)
+        monkeypatch.setattr(cuda_host.HostRegistration, "device_alias", alias)
+        return runtime
+
+    return install
 
 
 def test_registration_follows_the_ready_prefix_chunk_by_chunk(
@@ -312,16 +317,15 @@ def test_registration_follows_the_ready_prefix_chunk_by_chunk(
 ):
     slow_populate(0.01)
     runtime = fake_cupy()
-    _host_base(monkeypatch, runtime)
     monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", 4 * CHUNK)
     with create(arena_dir, populate="background", register_cuda="auto") as a:
-        assert a.registered and a.device is None  # no alias until a copy asks for one
+        assert a.registered
         assert a.wait_ready(10) and a.registered_fraction == 1.0
         offsets = [o for o, _ in runtime.calls]
         sizes = [s for _, s in runtime.calls]
         assert offsets == sorted(offsets) and sum(sizes) == a.nbytes  # the prefix, once
         assert max(sizes) <= 4 * CHUNK and sizes[0] == CHUNK  # small first, then longer
-        assert a.covers([(0, 64)])
+        assert a.covers([(0, 64)]) and a.device_view(ALIAS.device) is ALIAS
         assert len(runtime.registered) == len(runtime.calls)
     assert runtime.registered == {}  # close unregistered every chunk
     assert not populate_threads()
@@ -329,7 +333,6 @@ def test_registration_follows_the_ready_prefix_chunk_by_chunk(
 
 def test_a_failed_chunk_stays_host_only_with_one_warning(arena_dir, fake_cupy, monkeypatch, caplog):
     runtime = fake_cupy(fail_offsets={CHUNK, 2 * CHUNK})
-    _host_base(monkeypatch, runtime)
     monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
     monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", CHUNK)
     with (
@@ -346,8 +349,7 @@ def test_a_failed_chunk_stays_host_only_with_one_warning(arena_dir, fake_cupy, m
 
 
 def test_mover_copies_unregistered_blocks_through_host_memory(arena_dir, fake_cupy, monkeypatch):
-    runtime = fake_cupy(fail_offsets={CHUNK})
-    _host_base(monkeypatch, runtime)
+    fake_cupy(fail_offsets={CHUNK})
     monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
     monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", CHUNK)
     backends = []
@@ -458,3 +460,35 @@ def test_startup_benchmark_prints_both_modes_and_skips_what_does_not_fit(arena_d
     out = capsys.readouterr().out
     assert "| 8.0 MiB | eager |" in out and "| 8.0 MiB | background |" in out
     assert "skipped" in out and "background full readiness / eager" in out
+
+
+@pytest.mark.parametrize("populate", ["background", "eager"])
+def test_no_device_alias_means_host_copies_and_one_warning(
+    arena_dir, fake_cupy, monkeypatch, caplog, populate
+):
+    runtime = fake_cupy(alias_fails=True)
+    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
+    with (
+        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
+        create(arena_dir, num_blocks=16, populate=populate, register_cuda="auto") as a,
+    ):
+        assert a.wait_ready(10)
+        assert not a.covers([(0, 1)])
+        with pytest.raises(ArenaError, match="not registered"):
+            a.device_view(torch.device("cpu"))
+        item = torch.arange(B, dtype=torch.int32).view(torch.uint8)[:B]
+        mover = BlockMover(a, "cpu")
+        mover.save([item], [[(3, 1)]])
+        assert torch.equal(a.host[3 * B : 4 * B], item)
+    warnings = [r.getMessage() for r in caplog.records if "registration" in r.msg]
+    assert len(warnings) == 1 and "no device alias" in warnings[0]
+    assert runtime.registered == {}  # whatever was registered is released
+
+
+def test_a_failed_first_chunk_leaves_the_rest_registered(arena_dir, fake_cupy, monkeypatch):
+    fake_cupy(fail_offsets={0})
+    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
+    monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", CHUNK)
+    with create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a:
+        assert a.wait_ready(10)
+        assert not a.covers([(0, 1)]) and a.covers([(4, 12)])
