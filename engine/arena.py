@@ -355,7 +355,8 @@ class Arena:
         return 0.0 if r is None else r.registered_bytes / self.nbytes
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Wait until every block is ready (and, if registering, registered or failed)."""
+        """Wait until every block is ready (and, if registering, registered or failed);
+        False on timeout, close, a failed populate or a creator that died."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = 0.001
         while self.ready_bytes < self.nbytes or (
@@ -365,6 +366,8 @@ class Arena:
                 return False
             if self._populator is not None and self._populator.failure is not None:
                 return False
+            if self.ready_bytes < self.nbytes and not _alive(*self._creator):
+                return False  # the creator died mid-populate: the rest never comes
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
         return True
@@ -552,7 +555,8 @@ class _Populator:
         self._next = self._prefix = 0  # next chunk to take; chunks [0, _prefix) are done
         self._finished: set[int] = set()  # done beyond the prefix
         self._workers: list[threading.Thread] = []
-        self._base = self._t0 = self._last_log = 0.0
+        self._base = 0  # address of the mapping, once started
+        self._t0 = self._last_log = 0.0
         self.failure: OSError | None = None
         self.seconds: float | None = None  # wall time of the whole populate, once done
 
@@ -610,7 +614,7 @@ class _Populator:
             self._next += 1
         offset, size = self._chunks[i]
         try:
-            _fault(self._mm, int(self._base), offset, size, self._path)
+            _fault(self._mm, self._base, offset, size, self._path)
         except OSError as exc:
             exc.with_traceback(None)  # kept: must not hold this frame (and the mapping)
             with self._lock:
