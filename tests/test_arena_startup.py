@@ -456,7 +456,12 @@ def test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness(
 def test_startup_benchmark_prints_both_modes_and_skips_what_does_not_fit(arena_dir, capsys):
     from ecoffload.profiling import bench_startup
 
-    assert bench_startup.main(["--sizes", "8MiB,1024TiB", "--dir", arena_dir, "--rows", "8"]) == 0
+    assert (
+        bench_startup.main(
+            ["--sizes", "8MiB,1024TiB", "--dir", arena_dir, "--rows", "8", "--repeat", "2"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| 8.0 MiB | eager |" in out and "| 8.0 MiB | background |" in out
     assert "skipped" in out and "background full readiness / eager" in out
