@@ -499,7 +499,10 @@ class Arena:
         from .cuda_host import HostRegistration
 
         try:
-            self._registration = HostRegistration(self.host.data_ptr(), self.nbytes, defer=True)
+            self._registration = HostRegistration(
+                self.host.data_ptr(), self.nbytes, defer=True,
+                device_index=torch.cuda.current_device(),  # torch's, for background threads too
+            )  # fmt: skip
         except Exception as exc:
             self._registration_failed(mode, exc)
             return

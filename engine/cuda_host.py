@@ -41,14 +41,18 @@ class HostRegistration:
         chunk_bytes: int = REGISTER_CHUNK_BYTES,
         *,
         defer: bool = False,
+        device_index: int | None = None,
     ) -> None:
         """Register ``nbytes`` at ``host_ptr`` now, or (``defer``) chunk by chunk through
-        :meth:`register` as the arena's pages become ready."""
+        :meth:`register` as the arena's pages become ready. ``device_index``: the
+        device every registering thread uses (default: CuPy's current one)."""
         import cupy  # optional dependency: extras cuda12 / cuda13
 
         self._cupy = cupy
         self.host_ptr, self.nbytes = host_ptr, nbytes
-        self.device_index = cupy.cuda.runtime.getDevice()  # a registering thread's device
+        if device_index is None:
+            device_index = cupy.cuda.runtime.getDevice()
+        self.device_index = device_index
         self.device_ptr: int | None = None  # of byte 0, once any chunk is registered
         self._chunks: list[int] = []
         self._aliases: dict[int, torch.Tensor] = {}  # device index -> alias

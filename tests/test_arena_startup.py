@@ -294,6 +294,7 @@ def fake_cupy(monkeypatch):
         cuda = types.SimpleNamespace(runtime=runtime, Device=lambda index: _Ctx())
         monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         real_init = cuda_host.HostRegistration.__init__
 
         def init(self, host_ptr, nbytes, *args, **kwargs):
