@@ -711,7 +711,10 @@ class _Registrar:
     def _make_alias(self) -> bool:
         reg = self._registration
         try:
-            self.alias = reg.device_alias(torch.device("cuda", reg.device_index))
+            index = reg.device_index
+            if index is None:
+                index = torch.cuda.current_device()
+            self.alias = reg.device_alias(torch.device("cuda", index))
         except Exception as exc:
             exc.with_traceback(None)
             self.first_error = self.first_error or exc

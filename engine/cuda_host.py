@@ -19,6 +19,7 @@ registration must outlive every alias.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -45,13 +46,11 @@ class HostRegistration:
     ) -> None:
         """Register ``nbytes`` at ``host_ptr`` now, or (``defer``) chunk by chunk through
         :meth:`register` as the arena's pages become ready. ``device_index``: the
-        device every registering thread uses (default: CuPy's current one)."""
+        device every registering thread makes current (default: the caller's)."""
         import cupy  # optional dependency: extras cuda12 / cuda13
 
         self._cupy = cupy
         self.host_ptr, self.nbytes = host_ptr, nbytes
-        if device_index is None:
-            device_index = cupy.cuda.runtime.getDevice()
         self.device_index = device_index
         self.device_ptr: int | None = None  # of byte 0, once any chunk is registered
         self._chunks: list[int] = []
@@ -78,7 +77,8 @@ class HostRegistration:
             )
         runtime = self._cupy.cuda.runtime
         ptr = self.host_ptr + offset
-        with self._cupy.cuda.Device(self.device_index):
+        device = self.device_index
+        with contextlib.nullcontext() if device is None else self._cupy.cuda.Device(device):
             runtime.hostRegister(ptr, size, _PORTABLE | _MAPPED)
             self._chunks.append(ptr)
             base = runtime.pointerGetAttributes(ptr).devicePointer - offset
