@@ -124,6 +124,8 @@ class Arena:
         header = Header(*_HEADER.unpack_from(mm))
         self.block_bytes, self.num_blocks = header.block_bytes, header.num_blocks
         self.nonce = header.nonce
+        self.meta_offset = HEADER_BYTES  # metadata region: [meta_offset, data offset)
+        self.meta_bytes = header.data_offset - HEADER_BYTES
         self.layout_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + header.key_len]).decode()
         self.nbytes = header.block_bytes * header.num_blocks
         self.host: torch.Tensor | None = torch.frombuffer(
@@ -144,6 +146,7 @@ class Arena:
         processes: int = 0,
         register_cuda: RegisterMode = "auto",
         populate_threads: int | None = None,
+        meta_bytes: int = 0,
     ) -> Arena:
         """Create a new arena file; fails if one exists at that path.
 
@@ -154,6 +157,10 @@ class Arena:
                 "always" fails without them, "never" keeps the arena host-only.
             populate_threads: threads that pre-fault pages (default: 1 below
                 4 GiB, else up to 8).
+            meta_bytes: a zeroed metadata region of this many bytes (rounded up to
+                pages) between the header and the data area, for a shared
+                catalog (``shared_catalog.meta_bytes``); the header's data offset
+                records it, so attach finds it.
         """
         check_arena_name(name)
         key = layout_key_text(layout_key).encode()
@@ -170,8 +177,10 @@ class Arena:
             raise ArenaError(f"num_blocks must be positive, got {num_blocks}")
         if processes < 0:
             raise ArenaError(f"processes must be >= 0, got {processes}")
+        if meta_bytes < 0:
+            raise ArenaError(f"meta_bytes must be >= 0, got {meta_bytes}")
         path = os.path.join(directory, name)
-        data_offset = HEADER_BYTES
+        data_offset = HEADER_BYTES + -(-meta_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         total = data_offset + block_bytes * num_blocks
         _check_free_space(directory, total)
         try:
@@ -329,6 +338,10 @@ class Arena:
         if self.device is not None and self.device.device == torch.device(device):
             return self.device
         return self._registration.device_alias(device)
+
+    def fileno(self) -> int:
+        """The arena file's descriptor (the shared catalog opens its own description)."""
+        return self._fd
 
     def attached_processes(self) -> int:
         """How many processes have mapped the arena so far (creator included)."""

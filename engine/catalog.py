@@ -137,9 +137,14 @@ class Catalog:
         self._entries[key] = entry
         return entry
 
-    def commit(self, key: str) -> Entry:
-        """WRITING -> READY: the bytes are complete; the item becomes visible."""
+    def commit(self, key: str, checksum: int | None = None) -> Entry:
+        """WRITING -> READY: the bytes are complete; the item becomes visible.
+
+        ``checksum`` (a CRC-32 of the bytes, integrity mode) is recorded with it.
+        """
         entry = self._expect(key, ItemState.WRITING, "commit")
+        if checksum is not None:
+            entry.checksum = checksum
         entry.state = ItemState.READY
         self._lru[key] = None
         self._evictable_blocks += self._blocks(entry)
