@@ -111,6 +111,9 @@ P_SLOT, P_NEXT, P_PID, P_START, P_COUNT = range(PIN_WORDS)
 _LOCK_CMD = fcntl.F_OFD_SETLKW
 _UNLOCK_CMD = fcntl.F_OFD_SETLK
 
+_forks = [0]  # bumped in every forked child: a catalog object then reopens its lock
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
 #: Tests set this to a callable that receives the name of each point inside a
 #: locked update (it may sleep or SIGKILL the process there).
 fault_hook: Callable[[str], None] | None = None
@@ -277,7 +280,7 @@ class SharedCatalog:
         self._ulk = lk.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0)
         self._pid = -1
         self._identify()
-        self._desc: dict[int, tuple] = {}  # slot -> (generation, key, extents, ...)
+        self._desc: dict[int, SharedEntry] = {}  # slot -> this object's entry of it
         self._last_reap = 0.0
         self.local = CatalogStats()  # this object's own hits and misses
         wanted = (num_blocks, block_bytes, max_items, max_key_bytes, max_pins)
@@ -352,6 +355,7 @@ class SharedCatalog:
 
     def _identify(self) -> None:
         pid = os.getpid()
+        self._forked = _forks[0]
         if pid != self._pid:  # first use, or after a fork: a description of our own
             if self._pid != -1:
                 old, self._fd = self._fd, os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR)
@@ -360,7 +364,7 @@ class SharedCatalog:
             self._pid, self._start = pid, process_start_time(pid) or 0
 
     def _lock(self) -> None:
-        if os.getpid() != self._pid:
+        if _forks[0] != self._forked:
             self._identify()
         self._tlock.acquire()
         try:
@@ -469,10 +473,15 @@ class SharedCatalog:
         return self._find(kb, zlib.crc32(kb)), kb
 
     def _snapshot(self, s: int) -> SharedEntry:
+        """This object's entry of slot ``s``, refreshed (state, pins, CRC) on every call.
+
+        Like the in-process catalog's entries, it is one object per item that the
+        catalog keeps up to date, so a hit costs no decoding.
+        """
         w, b = self._w, self._sl + s * SLOT_WORDS
         gen = w[b + S_GEN]
-        desc = self._desc.get(s)
-        if desc is None or desc[0] != gen:
+        entry = self._desc.get(s)
+        if entry is None or entry.generation != gen:
             i, en = self._i, self._en
             extents, e = [], w[b + S_EXT]
             while e >= 0:
@@ -482,14 +491,13 @@ class SharedCatalog:
             key = bytes(self._k[s * mk : s * mk + klen]).decode()
             shape = tuple(w[b + S_DIMS : b + S_DIMS + w[b + S_NDIM]])
             dtype = bytes(self._w[b + S_DTYPE : b + S_DTYPE + 2].cast("B")).rstrip(b"\0").decode()
-            desc = (gen, key, extents, w[b + S_NBYTES], dtype, shape)
-            if len(self._desc) > 4 * self.layout.max_items:
-                self._desc.clear()
-            self._desc[s] = desc
+            entry = SharedEntry(key, extents, w[b + S_NBYTES], dtype, shape, slot=s, generation=gen)
+            self._desc[s] = entry
         crc = w[b + S_CRC]
-        return SharedEntry(desc[1], list(desc[2]), desc[3], desc[4], desc[5],
-                           _STATE[w[b + S_STATE]], w[b + S_PINS], None if crc < 0 else crc,
-                           slot=s, generation=gen)  # fmt: skip
+        entry.state = _STATE[w[b + S_STATE]]
+        entry.pins = w[b + S_PINS]
+        entry.checksum = None if crc < 0 else crc
+        return entry
 
     def state(self, key: str) -> ItemState | None:
         """The state of ``key``, or None if the catalog does not hold it."""
@@ -663,9 +671,9 @@ class SharedCatalog:
         """The READY entry of ``key`` (now most recently used), or None; counts hit/miss."""
         kb = key.encode()
         h = zlib.crc32(kb)
-        self._begin()
+        self._begin()  # the hot path: _end inlined below
+        w = self._w
         try:
-            w = self._w
             s = self._find(kb, h)
             b = self._sl + s * SLOT_WORDS
             if s < 0 or w[b + S_STATE] != READY:
@@ -682,10 +690,12 @@ class SharedCatalog:
                     self._lru_unlink(s)
                     self._lru_append(s)
                 entry = self._snapshot(s)
-        except BaseException as exc:
-            self._end(isinstance(exc, CatalogError))
+        except BaseException:
+            self._end(False)
             raise
-        self._end()
+        w[H_DIRTY] = 0
+        fcntl.fcntl(self._fd, _UNLOCK_CMD, self._ulk)
+        self._tlock.release()
         return entry
 
     def pin(self, key: str) -> SharedEntry:
