@@ -261,7 +261,7 @@ class Arena:
         its name is removed (only if it still names that very file) and a new
         arena is created.
         """
-        create_only = ("processes", "populate_threads")
+        create_only = ("processes", "populate_threads", "meta_bytes")
         attach_only = ("timeout_s",)
         for _ in range(3):
             try:
