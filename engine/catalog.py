@@ -185,6 +185,26 @@ class Catalog:
         if entry.pins == 0:
             self._evictable_blocks += self._blocks(entry)
 
+    def pin_many(self, keys: list[str]) -> list[Entry]:
+        """:meth:`pin` every key: all of them, or none (and the error)."""
+        entries = [self._expect(key, ItemState.READY, "pin") for key in keys]
+        for entry in entries:
+            self.pin(entry.key)
+        return entries
+
+    def unpin_many(self, keys: list[str]) -> None:
+        """:meth:`unpin` every key: all of them, or none (and the error)."""
+        need: dict[str, int] = {}
+        for key in keys:
+            entry = self._expect(key, ItemState.READY, "unpin")
+            need[key] = need.get(key, 0) + 1
+            if need[key] > entry.pins:
+                raise ItemStateError(
+                    f"unpin({key!r}): the item is not pinned; every unpin must match one pin"
+                )
+        for key in keys:
+            self.unpin(key)
+
     def evict(self, key: str) -> None:
         """Drop a READY, unpinned item now."""
         entry = self._expect(key, ItemState.READY, "evict")

@@ -389,6 +389,16 @@ class SharedCatalog:
                 raise
         w[H_DIRTY] = self._pid
 
+    def _lock_clean(self) -> None:
+        """Lock for reading: recover first if the last updater died inside an update."""
+        self._lock()
+        if self._w[H_DIRTY]:
+            try:
+                self._recover()
+            except BaseException:
+                self._unlock()
+                raise
+
     def _end(self, clean: bool = True) -> None:
         if clean:
             self._w[H_DIRTY] = 0
@@ -501,7 +511,7 @@ class SharedCatalog:
 
     def state(self, key: str) -> ItemState | None:
         """The state of ``key``, or None if the catalog does not hold it."""
-        self._lock()
+        self._lock_clean()
         try:
             s, _ = self._find_key(key)
             return None if s < 0 else _STATE[self._w[self._sl + s * SLOT_WORDS + S_STATE]]
@@ -510,7 +520,7 @@ class SharedCatalog:
 
     def entry(self, key: str) -> SharedEntry:
         """A snapshot of the entry of ``key`` in any state (raises UnknownItemError)."""
-        self._lock()
+        self._lock_clean()
         try:
             return self._snapshot(self._expect(key, None, "entry"))
         finally:
@@ -518,7 +528,7 @@ class SharedCatalog:
 
     def entries(self) -> list[SharedEntry]:
         """Snapshots of every entry, in slot order."""
-        self._lock()
+        self._lock_clean()
         try:
             w, sl = self._w, self._sl
             return [
@@ -703,66 +713,92 @@ class SharedCatalog:
 
         The pin belongs to this process: dropped if it dies before unpinning.
         """
-        self._begin()
-        try:
-            s = self._expect(key, READY, "pin")
-            w, b, pn = self._w, self._sl + s * SLOT_WORDS, self._pn
-            r = self._my_pin(s)
-            if r < 0:
-                r = w[H_PIN_FREE]
-                if r < 0 and self._reap(force=True):
-                    r = w[H_PIN_FREE]
-                if r < 0:
-                    raise CatalogCapacityError(
-                        f"pin({key!r}): all {self.layout.max_pins} pin records are in use; "
-                        "create the catalog with a larger max_pins"
-                    )
-                p = pn + r * PIN_WORDS
-                w[H_PIN_FREE] = w[p + P_NEXT]
-                w[p + P_SLOT] = s
-                w[p + P_PID] = self._pid
-                w[p + P_START] = self._start
-                w[p + P_NEXT] = w[b + S_PIN_HEAD]
-                w[b + S_PIN_HEAD] = r
-            p = pn + r * PIN_WORDS
-            _fault("pin:record")
-            w[p + P_COUNT] += 1
-            w[b + S_PINS] += 1
-            if w[b + S_PINS] == 1:
-                w[H_EVICTABLE] -= w[b + S_BLOCKS]
-            entry = self._snapshot(s)
-        except BaseException as exc:
-            self._end(isinstance(exc, CatalogError))
-            raise
-        self._end()
-        return entry
+        return self.pin_many([key])[0]
 
     def unpin(self, key: str) -> None:
         """Undo one :meth:`pin` of this process."""
+        self.unpin_many([key])
+
+    def pin_many(self, keys: list[str]) -> list[SharedEntry]:
+        """:meth:`pin` every key under one lock: all of them, or none (and the error)."""
+        self._begin()
+        done: list[int] = []
+        try:
+            slots = [self._expect(key, READY, "pin") for key in keys]
+            for key, s in zip(keys, slots, strict=True):
+                self._pin_slot(s, key)
+                done.append(s)
+            entries = [self._snapshot(s) for s in slots]
+        except BaseException as exc:
+            if isinstance(exc, CatalogError):
+                for s in reversed(done):
+                    self._unpin_slot(s, "")
+            self._end(isinstance(exc, CatalogError))
+            raise
+        self._end()
+        return entries
+
+    def unpin_many(self, keys: list[str]) -> None:
+        """:meth:`unpin` every key under one lock: all of them, or none (and the error)."""
         self._begin()
         try:
-            s = self._expect(key, READY, "unpin")
-            w, b = self._w, self._sl + s * SLOT_WORDS
-            r = self._my_pin(s)
-            if r < 0:
-                others = w[b + S_PINS]
-                raise ItemStateError(
-                    f"unpin({key!r}): the item is not pinned"
-                    + (f" by this process (others hold {others} pin(s))" if others else "")
-                    + "; every unpin must match one pin"
-                )
-            p = self._pn + r * PIN_WORDS
-            w[p + P_COUNT] -= 1
-            _fault("unpin:record")
-            w[b + S_PINS] -= 1
-            if w[p + P_COUNT] == 0:
-                self._unlink_pin(s, r)
-            if w[b + S_PINS] == 0:
-                w[H_EVICTABLE] += w[b + S_BLOCKS]
+            slots = [self._expect(key, READY, "unpin") for key in keys]
+            mine: dict[int, int] = {}
+            for key, s in zip(keys, slots, strict=True):  # enough pins of ours for all?
+                r = self._my_pin(s)
+                count = 0 if r < 0 else self._w[self._pn + r * PIN_WORDS + P_COUNT]
+                mine[s] = mine.get(s, 0) + 1
+                if mine[s] > count:
+                    others = self._w[self._sl + s * SLOT_WORDS + S_PINS] - count
+                    raise ItemStateError(
+                        f"unpin({key!r}): the item is not pinned"
+                        + (f" by this process (others hold {others} pin(s))" if others else "")
+                        + "; every unpin must match one pin"
+                    )
+            for key, s in zip(keys, slots, strict=True):
+                self._unpin_slot(s, key)
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise
         self._end()
+
+    def _pin_slot(self, s: int, key: str) -> None:
+        w, b, pn = self._w, self._sl + s * SLOT_WORDS, self._pn
+        r = self._my_pin(s)
+        if r < 0:
+            r = w[H_PIN_FREE]
+            if r < 0 and self._reap(force=True):
+                r = w[H_PIN_FREE]
+            if r < 0:
+                raise CatalogCapacityError(
+                    f"pin({key!r}): all {self.layout.max_pins} pin records are in use; "
+                    "create the catalog with a larger max_pins"
+                )
+            p = pn + r * PIN_WORDS
+            w[H_PIN_FREE] = w[p + P_NEXT]
+            w[p + P_SLOT] = s
+            w[p + P_PID] = self._pid
+            w[p + P_START] = self._start
+            w[p + P_NEXT] = w[b + S_PIN_HEAD]
+            w[b + S_PIN_HEAD] = r
+        p = pn + r * PIN_WORDS
+        _fault("pin:record")
+        w[p + P_COUNT] += 1
+        w[b + S_PINS] += 1
+        if w[b + S_PINS] == 1:
+            w[H_EVICTABLE] -= w[b + S_BLOCKS]
+
+    def _unpin_slot(self, s: int, key: str) -> None:
+        w, b = self._w, self._sl + s * SLOT_WORDS
+        r = self._my_pin(s)
+        p = self._pn + r * PIN_WORDS
+        w[p + P_COUNT] -= 1
+        _fault("unpin:record")
+        w[b + S_PINS] -= 1
+        if w[p + P_COUNT] == 0:
+            self._unlink_pin(s, r)
+        if w[b + S_PINS] == 0:
+            w[H_EVICTABLE] += w[b + S_BLOCKS]
 
     def evict(self, key: str) -> None:
         """Drop a READY, unpinned item now."""
@@ -802,7 +838,7 @@ class SharedCatalog:
 
     def stats(self) -> CatalogStats:
         """The host-wide counters (every process of every instance); see :attr:`local`."""
-        self._lock()
+        self._lock_clean()
         try:
             w = self._w
             largest = 0

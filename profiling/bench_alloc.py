@@ -122,6 +122,15 @@ def shared_vs_local(resident: int, sample: int = 20000) -> list[tuple[str, float
             )
             resident_now = keys[resident + sample // 2 : resident + sample]  # just committed
             rows.setdefault("pin+unpin", []).append(per_op(pin_unpin, resident_now))
+            batches = [resident_now[i : i + 16] for i in range(0, len(resident_now), 16)]
+
+            def pin_unpin_16(batch, cat=cat):
+                cat.pin_many(batch)
+                cat.unpin_many(batch)
+
+            rows.setdefault("pin_many+unpin_many, 16 keys (per key)", []).append(
+                per_op(pin_unpin_16, batches) / 16
+            )
             rows.setdefault("lookup (miss)", []).append(per_op(cat.lookup, keys[-sample:]))
             if cat is shared:  # the floor of every shared operation: the kernel's lock
                 rows.setdefault("lock+unlock only (thread lock / OFD lock)", []).append(

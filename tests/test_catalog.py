@@ -160,3 +160,22 @@ def test_misuse_raises_specific_errors_and_changes_nothing(make, op, exc, match)
         op(c)
     assert [(e.key, e.state, e.pins, list(e.extents)) for e in c.entries()] == before
     c.check()
+
+
+def test_pin_many_and_unpin_many_are_all_or_nothing(make):
+    c = make()
+    for key in "abc":
+        c.reserve(key, B)
+        c.commit(key)
+    c.reserve("w", B)
+    with pytest.raises(ItemStateError, match="found 'writing'"):
+        c.pin_many(["a", "b", "w"])
+    assert [c.entry(k).pins for k in "abc"] == [0, 0, 0]
+    entries = c.pin_many(["a", "b", "b"])
+    assert [e.key for e in entries] == ["a", "b", "b"] and c.entry("b").pins == 2
+    with pytest.raises(ItemStateError, match="not pinned"):
+        c.unpin_many(["a", "a"])  # a is pinned once only
+    assert (c.entry("a").pins, c.entry("b").pins) == (1, 2)
+    c.unpin_many(["b", "a", "b"])
+    assert [c.entry(k).pins for k in "abc"] == [0, 0, 0]
+    c.check()
