@@ -281,6 +281,7 @@ class SharedCatalog:
         self._pid = -1
         self._identify()
         self._desc: dict[int, SharedEntry] = {}  # slot -> this object's entry of it
+        self._slots: dict[str, tuple[int, int]] = {}  # key -> (slot, generation) seen
         self._last_reap = 0.0
         self.local = CatalogStats()  # this object's own hits and misses
         wanted = (num_blocks, block_bytes, max_items, max_key_bytes, max_pins)
@@ -478,9 +479,22 @@ class SharedCatalog:
             s = w[b + S_HNEXT]
         return -1
 
-    def _find_key(self, key: str) -> tuple[int, bytes]:
+    def _slot_of(self, key: str) -> int:
+        """The slot holding ``key`` or -1; a slot seen before is confirmed by its generation
+        (unique per reservation), so a repeated key costs no hashing or key compare."""
+        w = self._w
+        seen = self._slots.get(key)
+        if seen is not None:
+            b = self._sl + seen[0] * SLOT_WORDS
+            if w[b + S_GEN] == seen[1] and w[b + S_STATE] != FREE:
+                return seen[0]
         kb = key.encode()
-        return self._find(kb, zlib.crc32(kb)), kb
+        s = self._find(kb, zlib.crc32(kb))
+        if s >= 0:
+            if len(self._slots) >= self.layout.max_items:
+                self._slots.clear()
+            self._slots[key] = (s, w[self._sl + s * SLOT_WORDS + S_GEN])
+        return s
 
     def _snapshot(self, s: int) -> SharedEntry:
         """This object's entry of slot ``s``, refreshed (state, pins, CRC) on every call.
@@ -513,7 +527,7 @@ class SharedCatalog:
         """The state of ``key``, or None if the catalog does not hold it."""
         self._lock_clean()
         try:
-            s, _ = self._find_key(key)
+            s = self._slot_of(key)
             return None if s < 0 else _STATE[self._w[self._sl + s * SLOT_WORDS + S_STATE]]
         finally:
             self._unlock()
@@ -540,7 +554,7 @@ class SharedCatalog:
             self._unlock()
 
     def _expect(self, key: str, state: int | None, op: str) -> int:
-        s, _ = self._find_key(key)
+        s = self._slot_of(key)
         if s < 0:
             raise UnknownItemError(
                 f"key {key!r} is not in the catalog (never reserved, aborted or evicted)"
@@ -679,12 +693,10 @@ class SharedCatalog:
 
     def lookup(self, key: str) -> SharedEntry | None:
         """The READY entry of ``key`` (now most recently used), or None; counts hit/miss."""
-        kb = key.encode()
-        h = zlib.crc32(kb)
         self._begin()  # the hot path: _end inlined below
         w = self._w
         try:
-            s = self._find(kb, h)
+            s = self._slot_of(key)
             b = self._sl + s * SLOT_WORDS
             if s < 0 or w[b + S_STATE] != READY:
                 w[H_MISSES] += 1
