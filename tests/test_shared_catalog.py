@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import zlib
 
 import pytest
 from test_catalog import B, open_shared
@@ -222,3 +223,55 @@ def test_region_must_be_page_aligned_and_large_enough(tmp_path):
     with pytest.raises(Exception, match="needs a region"):
         SharedCatalog(fd, 0, mmap.PAGESIZE, num_blocks=100_000, block_bytes=B)
     os.close(fd)
+
+
+def _write_and_commit(path, key, generation, extents, payload, out):
+    """The worker: writes the bytes where the scheduler reserved them, then commits."""
+    c = reopen(path)
+    fd = os.open(path, os.O_RDWR)
+    data = mmap.mmap(fd, 8 * B, mmap.MAP_SHARED, offset=shared_catalog.meta_bytes(8, B))
+    at = 0
+    for start, count in extents:
+        chunk = payload[at : at + count * B]
+        data[start * B : start * B + len(chunk)] = chunk
+        at += count * B
+    c.commit(key, zlib.crc32(payload), generation=generation)
+    out.put(os.getpid())
+
+
+def _look_up(path, key, out):
+    c = reopen(path)
+    fd = os.open(path, os.O_RDWR)
+    data = mmap.mmap(fd, 8 * B, mmap.MAP_SHARED, offset=shared_catalog.meta_bytes(8, B))
+    e = c.pin(key)
+    got = b"".join(data[s * B : (s + n) * B] for s, n in e.extents)[: e.nbytes]
+    c.unpin(key)
+    out.put((zlib.crc32(got) == e.checksum, c.stats().hits))
+
+
+def test_reserve_write_commit_and_lookup_in_three_processes(tmp_path):
+    path = str(tmp_path / "c")
+    meta = shared_catalog.meta_bytes(8, B)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, meta + 8 * B)
+    scheduler = SharedCatalog(fd, 0, meta, num_blocks=8, block_bytes=B)
+    os.close(fd)
+    scheduler.reserve("other", 3 * B)  # so the item's blocks do not start at 0
+    e = scheduler.reserve("img", 2 * B + 100, "bfloat16", (2, 2098))
+    payload = bytes(range(256)) * ((2 * B + 100) // 256) + bytes(range((2 * B + 100) % 256))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    worker = ctx.Process(target=_write_and_commit,
+                         args=(path, "img", e.generation, e.extents, payload, out))  # fmt: skip
+    worker.start()
+    out.get(timeout=60)
+    worker.join(30)
+    assert scheduler.state("img") is ItemState.READY  # published without the scheduler
+    consumer = ctx.Process(target=_look_up, args=(path, "img", out))
+    consumer.start()
+    assert out.get(timeout=60) == (True, 0)  # pin is not a lookup: no hit counted
+    consumer.join(30)
+    assert scheduler.entry("img").checksum == zlib.crc32(payload)
+    scheduler.abort("other")
+    scheduler.check()
+    scheduler.close()
