@@ -10,6 +10,8 @@ vLLM at start-up with a message instead of failing a request later.
 | ``arena_dir`` | ``"/dev/shm"`` | directory of the arena file (must exist) |
 | ``arena_name`` | ``"ecoffload-<engine_id>"`` | file name (``-dp<rank>`` added per DP rank) |
 | ``num_programs`` | kernel defaults (8 save, 16 load) | persistent programs per launch |
+| ``populate`` | ``"background"`` | ``"background"``: serve at once, blocks usable as pre-faulted; |
+|  |  | ``"eager"``: pre-fault (and register) all before start-up; ``"lazy"``: no pre-fault |
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.arena import check_arena_name
+from ..engine.arena import POPULATE_MODES, check_arena_name
 from ..engine.errors import ArenaError, ConfigError
 from ..engine.sizes import parse_bytes
 
@@ -29,6 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "arena_dir": "/dev/shm",
     "arena_name": None,
     "num_programs": None,
+    "populate": "background",
 }
 
 
@@ -39,6 +42,7 @@ class OffloadConfig:
     arena_dir: str
     arena_name: str
     num_programs: int | None
+    populate: str = "background"
 
     @property
     def num_blocks(self) -> int:
@@ -90,4 +94,7 @@ class OffloadConfig:
             isinstance(programs, bool) or not isinstance(programs, int) or programs <= 0
         ):
             raise ConfigError(f"num_programs must be a positive int, got {programs!r}")
-        return cls(arena - arena % block, block, arena_dir, name, programs)
+        populate = values["populate"]
+        if populate not in POPULATE_MODES:
+            raise ConfigError(f"populate must be one of {list(POPULATE_MODES)}, got {populate!r}")
+        return cls(arena - arena % block, block, arena_dir, name, programs, populate)

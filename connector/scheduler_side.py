@@ -66,7 +66,9 @@ class SchedulerSide:
         except BaseException:
             self.arena.close()
             raise
-        self.catalog = Catalog(BlockAllocator(self.arena.num_blocks, self.arena.block_bytes))
+        self.catalog = Catalog(
+            BlockAllocator(self.arena.num_blocks, self.arena.block_bytes, self.arena.ready_blocks)
+        )
         self._saves_enabled = self.producer and worker_meta_reaches_scheduler(vllm_config)
         if self.producer and not self._saves_enabled:
             log.warning(
@@ -115,6 +117,8 @@ class SchedulerSide:
         )
         if not row_bytes or not rows:
             return  # size unknown yet: the worker reports it, the next item is saved
+        if self.catalog.allocator.ready_blocks < self.arena.num_blocks:  # still populating
+            self.catalog.allocator.add_ready(self.arena.ready_blocks)
         with nvtx_range("ecoffload.reserve"):
             entry = self.catalog.reserve(key, rows * row_bytes)
         if entry is None:
@@ -229,9 +233,9 @@ class SchedulerSide:
     def update_state_after_free(self, request: Any, index: int) -> None:
         return None  # vLLM freeing its GPU copy changes nothing in the arena
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Cumulative counters (hits, misses, items/bytes saved and loaded, evictions...)
-        and the arena's occupancy now (:data:`~.stats.GAUGES`)."""
+        and the arena's occupancy and populate progress now (:data:`~.stats.GAUGES`)."""
         catalog = self.catalog.stats()
         counts = {name: self._counts.get(name, 0) for name in COUNTERS}
         counts.update(hits=catalog.hits, misses=catalog.misses, evictions=catalog.evictions)
@@ -240,6 +244,7 @@ class SchedulerSide:
             bytes_resident=catalog.bytes_resident,
             blocks_free=catalog.free_blocks,
             blocks_total=self.catalog.allocator.num_blocks,
+            arena_ready_fraction=self.arena.ready_fraction,
         )
         return counts
 

@@ -34,4 +34,5 @@ def open_shared_arena(
         directory=config.arena_dir,
         processes=processes,
         register_cuda=register_cuda,
+        populate=config.populate,
     )

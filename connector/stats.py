@@ -40,6 +40,7 @@ GAUGES = (
     "bytes_resident",
     "blocks_free",
     "blocks_total",
+    "arena_ready_fraction",  # share of the arena populated (allocatable) so far
 )
 
 

@@ -150,11 +150,15 @@ class WorkerSide:
         self._counts["items_saved"] += len(queued)
         self._counts["bytes_saved"] += sum(t.nbytes for t in queued.values())
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """This worker's cumulative counters: encoder outputs seen, launches, items
-        and bytes copied (copies started, not confirmed: the scheduler counts those)."""
+        and bytes copied (copies started, not confirmed: the scheduler counts those);
+        gauges: shares of the arena populated, and registered with CUDA by this worker."""
         names = (*WORKER_COUNTERS, "items_saved", "bytes_saved", "items_loaded", "bytes_loaded")
-        return {name: self._counts.get(name, 0) for name in names}
+        counts: dict[str, int | float] = {name: self._counts.get(name, 0) for name in names}
+        counts["arena_ready_fraction"] = self.arena.ready_fraction
+        counts["arena_registered_fraction"] = self.arena.registered_fraction
+        return counts
 
     def get_ec_connector_stats(self) -> ECOffloadStats | None:
         """Increments of :data:`~.stats.WORKER_COUNTERS` since the previous call

@@ -7,12 +7,16 @@ consecutive blocks, preferring few, long extents:
 1. the smallest single free extent that holds the whole item (best fit), else
 2. the largest free extents, longest first, until the item is covered.
 
-``free`` coalesces with both neighbours. Every operation costs O(extents
+``free`` coalesces with both neighbours.
+
+Readiness: only blocks below ``ready_blocks`` are ever handed out (the arena's
+populate makes them ready as a growing prefix); ``add_ready`` moves the
+boundary up and frees the new blocks into the pool. Every operation costs O(extents
 touched x log(free extents)), never O(blocks): a 1024-row item is one extent,
 not 512 list entries.
 
 Invariant (checked by ``check``): free extents are disjoint, never adjacent,
-and ``free_blocks + allocated blocks == num_blocks``.
+below ``ready_blocks``, and ``free_blocks + allocated blocks == ready_blocks``.
 
 Plain Python on purpose: no torch, fast to test and reason about.
 """
@@ -40,7 +44,7 @@ def blocks_for(nbytes: int, block_bytes: int) -> int:
 class BlockAllocator:
     """Extent allocator over ``num_blocks`` blocks of ``block_bytes`` bytes."""
 
-    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+    def __init__(self, num_blocks: int, block_bytes: int, ready_blocks: int | None = None) -> None:
         if num_blocks <= 0:
             raise InvalidSizeError(f"num_blocks must be positive, got {num_blocks}")
         if block_bytes <= 0 or block_bytes % 4096:
@@ -49,10 +53,24 @@ class BlockAllocator:
             )
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
-        self.free_blocks = num_blocks
-        self._by_start: dict[int, int] = {0: num_blocks}  # start -> count
-        self._by_end: dict[int, int] = {num_blocks: 0}  # end (exclusive) -> start
-        self._by_size: list[tuple[int, int]] = [(num_blocks, 0)]  # sorted (count, start)
+        self.free_blocks = 0
+        self.ready_blocks = 0
+        self._by_start: dict[int, int] = {}  # start -> count
+        self._by_end: dict[int, int] = {}  # end (exclusive) -> start
+        self._by_size: list[tuple[int, int]] = []  # sorted (count, start)
+        self.add_ready(num_blocks if ready_blocks is None else ready_blocks)
+
+    def add_ready(self, ready_blocks: int) -> int:
+        """Blocks ``[0, ready_blocks)`` are ready: free the newly ready ones into the pool.
+
+        Never moves the boundary down; returns how many blocks became ready.
+        """
+        new = min(max(ready_blocks, self.ready_blocks), self.num_blocks)
+        added, old = new - self.ready_blocks, self.ready_blocks
+        if added:
+            self.ready_blocks = new
+            self.free([Extent(old, added)])
+        return added
 
     @property
     def largest_free_extent(self) -> int:
@@ -101,9 +119,10 @@ class BlockAllocator:
     def free(self, extents: list[Extent]) -> None:
         """Return extents to the free pool, merging with free neighbours."""
         for start, count in extents:
-            if count <= 0 or start < 0 or start + count > self.num_blocks:
+            if count <= 0 or start < 0 or start + count > self.ready_blocks:
                 raise InvalidSizeError(
-                    f"extent ({start}, {count}) is outside blocks [0, {self.num_blocks})"
+                    f"extent ({start}, {count}) is outside the ready blocks "
+                    f"[0, {self.ready_blocks}) of {self.num_blocks}"
                 )
             end = start + count
             before = self._by_end.get(start)
@@ -127,6 +146,7 @@ class BlockAllocator:
             assert count > 0 and start > prev_end, "free extents overlap or touch"
             assert self._by_end[start + count] == start
             prev_end = start + count
+        assert prev_end <= self.ready_blocks <= self.num_blocks, "free blocks beyond the ready ones"
         assert self.free_blocks == sum(self._by_start.values())
 
     def _take(self, start: int, count: int, take: int) -> None:

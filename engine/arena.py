@@ -5,19 +5,40 @@ Life cycle::
     creator                                   other processes
     -------                                   ---------------
     open(O_CREAT|O_EXCL|O_NOFOLLOW, 0600)
-    ftruncate, mmap(MAP_SHARED), pre-fault
+    ftruncate, mmap(MAP_SHARED)
     write header fields, then the magic       attach(): wait (bounded) for a valid
-                                              header, check every field, count itself
+    populate (see below)                      header, check every field, count itself
     ... name unlinked when `processes` processes have attached, or at the
         creator's close: a crash can leave no file behind once all have mapped it ...
 
 File layout: a header of ``HEADER_BYTES`` (magic, format version, block size,
-block count, data offset, creator pid, process counts, layout key), then the
-data area of ``num_blocks * block_bytes`` bytes, page aligned.
+block count, data offset, creator pid, process counts, catalog owner, at 96 the
+ready prefix, at 128 the layout key), then the data area of
+``num_blocks * block_bytes`` bytes, page aligned.
 
-With CUDA (and CuPy), the data area is registered with the driver
-(Portable | Mapped) and :attr:`Arena.device` is a CUDA tensor aliasing it;
-without, :attr:`Arena.device` is None and only :attr:`Arena.host` exists.
+Populate (pre-faulting the data area, so no transfer pays page faults), by mode:
+
+* ``background``: the creator returns as soon as the header is written; bounded
+  threads fault the data area in chunks, in order (``madvise`` releases the
+  GIL), and publish the *ready prefix*: the header's ``ready_bytes`` (a
+  monotonic uint64 only the creator writes) is the length of the longest fully
+  faulted prefix. Any process reads it (:attr:`Arena.ready_blocks`); the
+  catalog owner hands out blocks below it only. Progress is logged (percent,
+  GiB/s, ETA). ``close`` stops the threads within one chunk.
+* ``eager``: the same work, finished before the magic is written.
+* ``lazy``: nothing is faulted; every block is ready at once and pages fault
+  on first touch (tmpfs may then run out of memory mid-serving: SIGBUS).
+
+If the creator dies mid-populate its pid no longer runs, so the file is stale
+(:class:`ArenaStaleError`) and reclaimed by the next ``create_or_attach``.
+
+With CUDA (and CuPy), each process registers the data area with the driver
+(Portable | Mapped) for itself, chunk by chunk as the ready prefix grows (in a
+background thread; at once for ``eager``), and :meth:`Arena.device_view` is a
+CUDA tensor aliasing it. :meth:`Arena.covers` says whether blocks may be
+copied through the alias; others go through :attr:`Arena.host`. A chunk whose
+registration fails stays host-only (one warning). Without CUDA,
+:attr:`Arena.device` is None and only :attr:`Arena.host` exists.
 """
 
 from __future__ import annotations
@@ -35,11 +56,12 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import torch
 
+from .cuda_host import REGISTER_CHUNK_BYTES
 from .errors import (
     ArenaAttachTimeout,
     ArenaError,
@@ -51,7 +73,7 @@ from .errors import (
 log = logging.getLogger(__name__)
 
 MAGIC = b"ECOFFLD\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the ready prefix at _READY_OFFSET
 HEADER_BYTES = 4096
 DEFAULT_DIR = "/dev/shm"
 
@@ -83,11 +105,18 @@ _OWNER_OFFSET = struct.calcsize("<8sIIQQQqQQIIIq") - 8
 _OWNER = struct.Struct("<qQ")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
+_READY_OFFSET = 96  # uint64 ready_bytes: the faulted prefix of the data area
+_READY = struct.Struct("<Q")
+
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-_POPULATE_CHUNK = 1 << 30
+_POPULATE_CHUNK = 128 << 20  # ~0.1 s of faulting: the first blocks are ready at once
 _PARALLEL_POPULATE_BYTES = 4 << 30
+_PROGRESS_EVERY_S = 1.0
+_REGISTER_SPAN = 1 << 30  # largest single cudaHostRegister while following the prefix
 
 RegisterMode = Literal["auto", "always", "never"]
+PopulateMode = Literal["background", "eager", "lazy"]
+POPULATE_MODES: tuple[str, ...] = ("background", "eager", "lazy")
 
 
 def layout_key_text(layout_key: str | Mapping[str, object]) -> str:
@@ -126,6 +155,7 @@ class Arena:
         self.nonce = header.nonce
         self.meta_offset = HEADER_BYTES  # metadata region: [meta_offset, data offset)
         self.meta_bytes = header.data_offset - HEADER_BYTES
+        self._creator = (header.creator_pid, header.creator_start)
         self.layout_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + header.key_len]).decode()
         self.nbytes = header.block_bytes * header.num_blocks
         self.host: torch.Tensor | None = torch.frombuffer(
@@ -133,6 +163,8 @@ class Arena:
         )
         self.device: torch.Tensor | None = None
         self._registration = None
+        self._registrar: _Registrar | None = None
+        self._populator: _Populator | None = None
 
     @classmethod
     def create(
@@ -145,6 +177,7 @@ class Arena:
         directory: str = DEFAULT_DIR,
         processes: int = 0,
         register_cuda: RegisterMode = "auto",
+        populate: PopulateMode = "eager",
         populate_threads: int | None = None,
         meta_bytes: int = 0,
     ) -> Arena:
@@ -155,6 +188,9 @@ class Arena:
                 the name is unlinked once that many have. 0: unlink at close.
             register_cuda: "auto" registers when CUDA and CuPy are available,
                 "always" fails without them, "never" keeps the arena host-only.
+            populate: "background" (return once the header is written; blocks
+                become ready as threads fault them), "eager" (fault everything
+                first) or "lazy" (never fault; pages fault on first touch).
             populate_threads: threads that pre-fault pages (default: 1 below
                 4 GiB, else up to 8).
             meta_bytes: a zeroed metadata region of this many bytes (rounded up to
@@ -163,6 +199,7 @@ class Arena:
                 records it, so attach finds it.
         """
         check_arena_name(name)
+        _check_populate(populate)
         key = layout_key_text(layout_key).encode()
         if len(key) > MAX_LAYOUT_KEY_BYTES:
             raise ArenaError(
@@ -203,10 +240,19 @@ class Arena:
                 int.from_bytes(os.urandom(8), "little"), processes, 1, len(key), 0, 0,
             )  # fmt: skip
             _HEADER.pack_into(mm, 0, *header)
-            _populate(mm, data_offset, total, populate_threads, path)
+            populator = _Populator(mm, data_offset, total, populate_threads, path)
+            if populate == "eager":
+                populator.run()
+            elif populate == "background":
+                populator.run_first()  # ~0.1 s: some blocks are ready when attachers look
+            if populate == "lazy":
+                _READY.pack_into(mm, _READY_OFFSET, total - data_offset)
             mm[_KEY_OFFSET : _KEY_OFFSET + len(key)] = key
             mm[0:8] = MAGIC  # last: attachers treat the header as valid from here on
             arena = cls(path, fd, mm, created=True)
+            if populate == "background":
+                arena._populator = populator
+                populator.start()
         except BaseException:
             if mm is not None:
                 mm.close()
@@ -215,8 +261,15 @@ class Arena:
             raise
         if processes == 1:
             arena._unlink()
-        arena._register(register_cuda)
-        log.info("created arena %s: %d blocks of %d bytes", path, num_blocks, block_bytes)
+        try:
+            arena._register(register_cuda, populate)
+        except BaseException:
+            arena.close()  # stops the populate threads and removes the file
+            raise
+        log.info(
+            "created arena %s: %d blocks of %d bytes, populate %s",
+            path, num_blocks, block_bytes, populate,
+        )  # fmt: skip
         return arena
 
     @classmethod
@@ -230,13 +283,18 @@ class Arena:
         directory: str = DEFAULT_DIR,
         timeout_s: float = 30.0,
         register_cuda: RegisterMode = "auto",
+        populate: PopulateMode = "eager",
     ) -> Arena:
         """Map an arena another process created, waiting up to ``timeout_s`` for it.
 
         Every expectation given (block size, block count, layout key) is checked
         against the header; a mismatch raises :class:`ArenaLayoutMismatch`.
+        ``populate`` "eager" registers with CUDA before returning (waiting for
+        the creator's populate); otherwise registration follows the ready
+        prefix in the background.
         """
         check_arena_name(name)
+        _check_populate(populate)
         path = os.path.join(directory, name)
         deadline = time.monotonic() + timeout_s
         fd, mm = _wait_for_header(path, deadline, timeout_s)
@@ -248,7 +306,7 @@ class Arena:
             os.close(fd)
             raise
         arena._count_attach()
-        arena._register(register_cuda)
+        arena._register(register_cuda, populate)
         log.info("attached arena %s", path)
         return arena
 
@@ -262,7 +320,7 @@ class Arena:
         arena is created.
         """
         create_only = ("processes", "populate_threads", "meta_bytes")
-        attach_only = ("timeout_s",)
+        attach_only = ("timeout_s",)  # populate goes to both
         for _ in range(3):
             try:
                 return cls.create(name, **{k: v for k, v in kwargs.items() if k not in attach_only})
@@ -281,13 +339,60 @@ class Arena:
 
     @property
     def registered(self) -> bool:
-        """True when the data area is registered with CUDA and :attr:`device` is set."""
+        """True when this process registers the data area with CUDA (all of it, or
+        chunk by chunk as it becomes ready: see :meth:`covers`)."""
         return self._registration is not None
 
-    def close(self) -> None:
-        """Unregister, drop every view, unmap, and unlink the name if this process created it.
+    @property
+    def ready_bytes(self) -> int:
+        """Bytes of the data area faulted so far, a prefix (published by the creator)."""
+        return 0 if self._mm is None else _read_ready(self._mm, self.nbytes)
 
-        Idempotent. Tensors the caller still holds on :attr:`host` keep the
+    @property
+    def ready_blocks(self) -> int:
+        """Blocks the catalog may hand out: those wholly inside the ready prefix."""
+        return self.ready_bytes // self.block_bytes
+
+    @property
+    def ready_fraction(self) -> float:
+        return self.ready_bytes / self.nbytes
+
+    @property
+    def registered_fraction(self) -> float:
+        """Share of the data area this process has registered with CUDA (0.0 without)."""
+        r = self._registrar
+        return 0.0 if r is None else r.registered_bytes / self.nbytes
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until every block is ready (and, if registering, registered or failed);
+        False on timeout, close, a failed populate or a creator that died."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        delay = 0.001
+        while self.ready_bytes < self.nbytes or (
+            self._registrar is not None and self._registrar.end < self.nbytes
+        ):
+            if self._mm is None or (deadline is not None and time.monotonic() >= deadline):
+                return False
+            if self._populator is not None and self._populator.failure is not None:
+                return False
+            if self.ready_bytes < self.nbytes and not _alive(*self._creator):
+                return False  # the creator died mid-populate: the rest never comes
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+        return True
+
+    def covers(self, extents: Sequence[tuple[int, int]]) -> bool:
+        """Whether the device alias may touch every block of ``extents`` in this process
+        (every block lies in a chunk it registered); else copy them through :attr:`host`."""
+        r = self._registrar
+        return r is not None and r.covers(extents, self.block_bytes)
+
+    def close(self) -> None:
+        """Stop populate and registration, unregister, drop every view, unmap, and
+        unlink the name if this process created it.
+
+        Idempotent. Returns within about one populate chunk (~0.1 s) even mid-
+        populate. Tensors the caller still holds on :attr:`host` keep the
         mapping alive until they are freed (no BufferError, no dangling host
         pointer); CUDA aliases become invalid at once.
         """
@@ -296,6 +401,7 @@ class Arena:
         if self.created:
             self._unlink()
         self.device = None
+        self._stop_workers()  # before unregistering or unmapping what they touch
         if self._registration is not None:
             self._registration.close()
             self._registration = None
@@ -313,6 +419,13 @@ class Arena:
                 self.path,
             )
         os.close(self._fd)
+
+    def _stop_workers(self) -> None:
+        workers = (self._registrar, self._populator)
+        self._registrar = self._populator = None  # they reference the mapping too
+        for worker in workers:
+            if worker is not None:
+                worker.stop()
 
     def __enter__(self) -> Arena:
         return self
@@ -332,11 +445,14 @@ class Arena:
         )
 
     def device_view(self, device: torch.device) -> torch.Tensor:
-        """The CUDA alias of the data area on ``device`` (the arena must be registered)."""
-        if self._registration is None:
+        """The CUDA alias of the data area on ``device`` (once a first chunk is
+        registered; copy only blocks :meth:`covers` accepts through it)."""
+        r = self._registrar
+        if self._registration is None or r is None or r.alias is None:
             raise ArenaError(f"arena {self.path} is not registered with CUDA: no device view")
-        if self.device is not None and self.device.device == torch.device(device):
-            return self.device
+        if r.alias.device == torch.device(device):
+            self.device = r.alias
+            return r.alias
         return self._registration.device_alias(device)
 
     def fileno(self) -> int:
@@ -386,7 +502,7 @@ class Arena:
             self._unlinked = True
             _unlink_if_inode(self.path, os.fstat(self._fd).st_ino)
 
-    def _register(self, mode: RegisterMode) -> None:
+    def _register(self, mode: RegisterMode, populate: PopulateMode) -> None:
         if mode == "never":
             return
         if not torch.cuda.is_available():
@@ -396,20 +512,289 @@ class Arena:
         from .cuda_host import HostRegistration
 
         try:
-            self._registration = HostRegistration(self.host.data_ptr(), self.nbytes)
-            self.device = self._registration.device_alias(
-                torch.device("cuda", torch.cuda.current_device())
-            )
+            self._registration = HostRegistration(
+                self.host.data_ptr(), self.nbytes, defer=True,
+                device_index=torch.cuda.current_device(),  # torch's, for background threads too
+            )  # fmt: skip
         except Exception as exc:
+            self._registration_failed(mode, exc)
+            return
+        mm, nbytes = self._mm, self.nbytes
+        if mode != "always" and populate != "eager":
+            self._registrar = _Registrar(self._registration, nbytes, self.path, _REGISTER_SPAN)
+            self._registrar.start(lambda: _read_ready(mm, nbytes))
+            return
+        registrar = _Registrar(self._registration, nbytes, self.path, REGISTER_CHUNK_BYTES)
+        try:  # synchronous: the caller gets an arena registered as far as it can be
+            while registrar.end < nbytes:
+                registrar.step(_read_ready(mm, nbytes))
+                if registrar.end < nbytes:
+                    if not _alive(*self._creator):  # its populate will never finish
+                        raise ArenaError("the creating process died before populating it")
+                    time.sleep(0.005)
+            if mode == "always" and registrar.first_error is not None:
+                raise registrar.first_error
+        except Exception as exc:
+            self._registration.close()
+            self._registration_failed(mode, exc)
+            return
+        if registrar.alias is None:  # nothing usable (and said so): plain host copies
+            self._registration.close()
             self._registration = None
-            if mode == "always":
-                raise ArenaError(f"CUDA host registration of {self.path} failed: {exc}") from exc
+            return
+        self._registrar, self.device = registrar, registrar.alias
+
+    def _registration_failed(self, mode: RegisterMode, exc: Exception) -> None:
+        self._registration = None
+        if mode == "always":
+            raise ArenaError(f"CUDA host registration of {self.path} failed: {exc}") from exc
+        log.warning(
+            "arena %s: CUDA host registration failed (%s); transfers fall back to "
+            "unregistered copies. Install ecoffload[cuda12] or [cuda13] for CuPy.",
+            self.path,
+            exc,
+        )
+
+
+class _Populator:
+    """Faults a data area chunk by chunk, in order, with bounded threads (``madvise``
+    drops the GIL), publishing the ready prefix into the header as it grows."""
+
+    def __init__(self, mm: mmap.mmap, start: int, end: int, threads: int | None, path: str) -> None:
+        self._mm, self._start, self._end, self._path = mm, start, end, path
+        step = _POPULATE_CHUNK
+        self._chunks = [(o, min(step, end - o)) for o in range(start, end, step)]
+        if threads is None:
+            threads = 1 if end - start < _PARALLEL_POPULATE_BYTES else min(8, os.cpu_count() or 1)
+        self.threads = max(1, min(threads, len(self._chunks)))
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._next = self._prefix = 0  # next chunk to take; chunks [0, _prefix) are done
+        self._finished: set[int] = set()  # done beyond the prefix
+        self._workers: list[threading.Thread] = []
+        self._base = 0  # address of the mapping, once started
+        self._t0 = self._last_log = 0.0
+        self.failure: OSError | None = None
+        self.seconds: float | None = None  # wall time of the whole populate, once done
+
+    def run(self) -> None:
+        """Populate everything now (eager)."""
+        self.start()
+        self.join()
+        self._raise_failure()
+
+    def run_first(self) -> None:
+        """Populate the first chunk in the caller's thread (then ``start`` the rest)."""
+        self._begin()
+        self._step()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise ArenaError(f"{self.failure}; is there enough free memory for the arena?")
+
+    def _begin(self) -> None:
+        if not self._base:
+            buf = ctypes.c_char.from_buffer(self._mm)
+            self._base = ctypes.addressof(buf)
+            del buf  # release the buffer export at once, or mm.close() would fail
+            self._t0 = self._last_log = time.monotonic()
+
+    def start(self) -> None:
+        self._begin()
+        self._workers = [
+            threading.Thread(target=self._work, name=f"ecoffload-populate-{i}", daemon=True)
+            for i in range(self.threads)
+        ]
+        for w in self._workers:
+            w.start()
+
+    def join(self) -> None:
+        for w in self._workers:
+            w.join()
+
+    def stop(self) -> None:
+        """Stop after the chunks in progress (at most ~0.1 s of work each) and join."""
+        self._stop.set()
+        self.join()
+
+    def _work(self) -> None:
+        while not self._stop.is_set() and self._step():
+            pass
+
+    def _step(self) -> bool:
+        """Fault the next chunk; False when there is none left (or populate failed)."""
+        with self._lock:
+            i = self._next
+            if i >= len(self._chunks) or self.failure is not None:
+                return False
+            self._next += 1
+        offset, size = self._chunks[i]
+        try:
+            _fault(self._mm, self._base, offset, size, self._path)
+        except OSError as exc:
+            exc.with_traceback(None)  # kept: must not hold this frame (and the mapping)
+            with self._lock:
+                self.failure = self.failure or exc
+            log.error(
+                "arena %s: populate stopped at %d of %d MiB (%s); only the ready part is used",
+                self._path, self._ready() >> 20, (self._end - self._start) >> 20, exc,
+            )  # fmt: skip
+            return False
+        with self._lock:
+            self._finished.add(i)
+            while self._prefix in self._finished:
+                self._finished.discard(self._prefix)
+                self._prefix += 1
+            ready = self._ready()
+            _READY.pack_into(self._mm, _READY_OFFSET, ready)
+            self._progress(ready)
+        return True
+
+    def _ready(self) -> int:
+        return 0 if not self._prefix else sum(self._chunks[self._prefix - 1]) - self._start
+
+    def _progress(self, ready: int) -> None:
+        now, total = time.monotonic(), self._end - self._start
+        elapsed = max(now - self._t0, 1e-9)
+        rate = ready / elapsed
+        if ready == total:
+            self.seconds = elapsed
+            log.log(
+                logging.INFO if len(self._chunks) > 4 else logging.DEBUG,
+                "arena %s: pre-faulted %.1f GiB in %.2f s (%.2f GiB/s, %d thread(s))",
+                self._path, total / 2**30, elapsed, rate / 2**30, self.threads,
+            )  # fmt: skip
+        elif now - self._last_log >= _PROGRESS_EVERY_S:
+            self._last_log = now
+            log.info(
+                "arena %s: pre-faulted %d%% (%.1f of %.1f GiB) at %.2f GiB/s, ETA %.1f s",
+                self._path, 100 * ready // total, ready / 2**30, total / 2**30, rate / 2**30,
+                (total - ready) / rate if rate else float("inf"),
+            )  # fmt: skip
+
+
+class _Registrar:
+    """Registers a process's view of the ready prefix with CUDA, span by span.
+
+    Spans start at one populate chunk and double up to ``span`` (few calls,
+    yet the first blocks are usable at once). A span whose registration fails
+    is skipped (one warning) and its blocks stay host-only. The device alias is
+    built after the first registered span; without it nothing is covered.
+    """
+
+    def __init__(self, registration, nbytes: int, path: str, span: int) -> None:
+        self._registration, self._nbytes, self._path = registration, nbytes, path
+        self._span = span
+        self.alias: torch.Tensor | None = None  # built after the first registered span
+        self.end = 0  # bytes handled (registered or failed): a prefix
+        self.registered_bytes = 0
+        self.failed: list[tuple[int, int]] = []  # byte ranges left unregistered
+        self.first_error: Exception | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def step(self, ready: int) -> None:
+        """Register what of ``[end, ready)`` makes a span worth a call."""
+        while self.end < ready and not self._stop.is_set():
+            size = min(ready - self.end, self._span)
+            if ready < self._nbytes and size < min(self._span, max(_POPULATE_CHUNK, self.end)):
+                return  # wait for a longer span
+            try:
+                self._registration.register(self.end, size)
+            except Exception as exc:
+                exc.with_traceback(None)  # kept (and logged): must not hold frames on the mapping
+                self.failed.append((self.end, self.end + size))  # before end moves past it
+                if self.first_error is None:
+                    self.first_error = exc
+                    log.warning(
+                        "arena %s: CUDA host registration failed for bytes [%d, %d) (%s); "
+                        "copies of blocks there fall back to host memory, the rest use the "
+                        "registered alias", self._path, self.end, self.end + size, exc,
+                    )  # fmt: skip
+                else:
+                    log.debug("arena %s: registration of [%d, +%d) failed too: %s",
+                              self._path, self.end, size, exc)  # fmt: skip
+            else:
+                self.registered_bytes += size
+                if self.alias is None and not self._make_alias():
+                    self.end = self._nbytes  # no alias, nothing to register for
+                    return
+            self.end += size
+
+    def _make_alias(self) -> bool:
+        reg = self._registration
+        try:
+            index = reg.device_index
+            if index is None:
+                index = torch.cuda.current_device()
+            self.alias = reg.device_alias(torch.device("cuda", index))
+        except Exception as exc:
+            exc.with_traceback(None)
+            self.first_error = self.first_error or exc
             log.warning(
-                "arena %s: CUDA host registration failed (%s); transfers fall back to "
-                "unregistered copies. Install ecoffload[cuda12] or [cuda13] for CuPy.",
-                self.path,
-                exc,
-            )
+                "arena %s: CUDA host registration failed: no device alias (%s); transfers "
+                "fall back to host copies", self._path, exc,
+            )  # fmt: skip
+            return False
+        return True
+
+    def covers(self, extents: Sequence[tuple[int, int]], block_bytes: int) -> bool:
+        end, failed = self.end, self.failed  # end first: every failed span below it is listed
+        if self.alias is None:
+            return False
+        if end >= self._nbytes and not failed:
+            return True
+        for start, count in extents:
+            lo, hi = start * block_bytes, (start + count) * block_bytes
+            if hi > end or any(lo < b and a < hi for a, b in failed):
+                return False
+        return True
+
+    def start(self, ready_of) -> None:
+        self._thread = threading.Thread(
+            target=self._loop, args=(ready_of,), name="ecoffload-register", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self, ready_of) -> None:
+        while not self._stop.is_set() and self.end < self._nbytes:
+            self.step(ready_of())
+            self._stop.wait(0.005)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _check_populate(populate: str) -> None:
+    if populate not in POPULATE_MODES:
+        raise ArenaError(f"populate must be one of {list(POPULATE_MODES)}, got {populate!r}")
+
+
+def _read_ready(mm: mmap.mmap, nbytes: int) -> int:
+    while True:  # the creator may be writing it: take a value read twice alike
+        first = _READY.unpack_from(mm, _READY_OFFSET)[0]
+        if _READY.unpack_from(mm, _READY_OFFSET)[0] == first:
+            return min(first, nbytes)
+
+
+_libc_madvise = None
+
+
+def _fault(mm: mmap.mmap, base: int, offset: int, size: int, path: str) -> None:
+    """Fault in ``size`` bytes at ``offset`` of ``mm`` (``base``: its address)."""
+    global _libc_madvise
+    if _libc_madvise is None:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _libc_madvise = madvise
+    # ctypes drops the GIL during the call, so threads fault pages in parallel.
+    if _libc_madvise(base + offset, size, _MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, f"pre-faulting {path}: {os.strerror(err)}")
+        mm[offset : offset + size : mmap.PAGESIZE] = bytes(-(-size // mmap.PAGESIZE))
 
 
 def _check_free_space(directory: str, total: int) -> None:
@@ -423,45 +808,6 @@ def _check_free_space(directory: str, total: int) -> None:
             f"arena needs {total} bytes but {directory} has {free} free: "
             "give the arena fewer bytes or free space there"
         )
-
-
-def _populate(mm: mmap.mmap, start: int, end: int, threads: int | None, path: str) -> None:
-    """Pre-fault [start, end) so the first transfer pays no page faults."""
-    buf = ctypes.c_char.from_buffer(mm)
-    base = ctypes.addressof(buf)
-    del buf  # release the buffer export at once, or mm.close() would fail
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    chunks = [(o, min(_POPULATE_CHUNK, end - o)) for o in range(start, end, _POPULATE_CHUNK)]
-    if threads is None:
-        threads = 1 if end - start < _PARALLEL_POPULATE_BYTES else min(8, os.cpu_count() or 1)
-    done, lock, failures = [0], threading.Lock(), []
-    t0 = time.monotonic()
-
-    def work(mine: list[tuple[int, int]]) -> None:
-        for offset, size in mine:
-            # ctypes drops the GIL during the call, so threads fault pages in parallel.
-            if madvise(base + offset, size, _MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                if err not in (errno.EINVAL, errno.ENOSYS):
-                    failures.append(OSError(err, f"pre-faulting {path}: {os.strerror(err)}"))
-                    return
-                mm[offset : offset + size : mmap.PAGESIZE] = bytes(-(-size // mmap.PAGESIZE))
-            with lock:
-                done[0] += size
-                if len(chunks) > 4:
-                    log.info(
-                        "pre-faulted %d of %d MiB of %s", done[0] >> 20, (end - start) >> 20, path
-                    )
-
-    workers = [threading.Thread(target=work, args=(chunks[i::threads],)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if failures:
-        raise ArenaError(f"{failures[0]}; is there enough free memory for the arena?")
-    log.debug("pre-faulted %s in %.2f s with %d thread(s)", path, time.monotonic() - t0, threads)
 
 
 def _wait_for_header(path: str, deadline: float, timeout_s: float) -> tuple[int, mmap.mmap]:

@@ -48,7 +48,7 @@ import torch
 
 from ..profiling.nvtx import nvtx_range
 from .allocator import BlockAllocator
-from .arena import DEFAULT_DIR, Arena, RegisterMode
+from .arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
 from .catalog import Catalog, CatalogStats
 from .shared_catalog import SharedCatalog, meta_bytes
 from .sizes import parse_bytes
@@ -94,7 +94,9 @@ class OffloadCache:
         self.integrity = integrity
         self.integrity_failures = 0
         if catalog is None:
-            catalog = Catalog(BlockAllocator(arena.num_blocks, arena.block_bytes))
+            catalog = Catalog(
+                BlockAllocator(arena.num_blocks, arena.block_bytes, arena.ready_blocks)
+            )
         self.catalog = catalog
         self.mover = BlockMover(arena, device)
         self.device = self.mover.device
@@ -113,18 +115,29 @@ class OffloadCache:
         device: torch.device | str | None = None,
         register_cuda: RegisterMode = "auto",
         integrity: bool = False,
+        populate: PopulateMode = "eager",
         shared: bool = False,
         max_items: int | None = None,
     ) -> OffloadCache:
         """A new cache over a new arena of (at most) ``arena_bytes`` bytes.
 
+        ``populate="background"`` returns at once; saves use the blocks populated
+        so far (see :class:`~ecoffload.engine.arena.Arena`).
+
         ``shared=True``: create the arena, or attach to the one another cache
         created under this name (same sizes and layout key), with the catalog in
         the arena file (``max_items``: its item table, default one per block).
+        The shared catalog hands out every block, so it needs ``populate``
+        "eager" or "lazy" (it does not follow a background ready prefix yet).
         """
         block = parse_bytes(block_bytes, name="block_bytes")
         total = parse_bytes(arena_bytes, name="arena_bytes")
         if shared:
+            if populate == "background":
+                raise ValueError(
+                    "shared=True needs populate='eager' or 'lazy': the shared catalog does "
+                    "not follow a background populate's ready prefix yet"
+                )
             num_blocks = max(1, total // block)
             arena = Arena.create_or_attach(
                 name,
@@ -133,6 +146,7 @@ class OffloadCache:
                 layout_key=layout_key,
                 directory=directory,
                 register_cuda=register_cuda,
+                populate=populate,
                 meta_bytes=meta_bytes(num_blocks, block, max_items),
             )
             try:
@@ -149,6 +163,7 @@ class OffloadCache:
             directory=directory,
             processes=1,  # nobody else attaches: unlink the name at once
             register_cuda=register_cuda,
+            populate=populate,
         )
         return cls(arena, device, integrity=integrity)
 
@@ -162,6 +177,8 @@ class OffloadCache:
         """
         with nvtx_range("ecoffload.cache.save"):
             self.poll()
+            if self.catalog.allocator.ready_blocks < self.arena.num_blocks:
+                self.catalog.allocator.add_ready(self.arena.ready_blocks)
             result, sources, tables = SaveResult(), [], []
             result.already_cached = [k for k in items if self.catalog.state(k) is not None]
             ready = [k for k in result.already_cached if k in self.catalog]
@@ -247,7 +264,7 @@ class OffloadCache:
         if self.integrity:  # recorded with the commit: a READY item always has its CRC
             entry, host, bb = self.catalog.entry(key), self.arena.host, self.arena.block_bytes
             crc, left = 0, entry.nbytes
-            for start, count in entry.extents:
+            for start, count in entry.extents:  # the item's bytes only, not its last padding
                 take = min(count * bb, left)
                 crc = zlib.crc32(host[start * bb : start * bb + take].numpy(), crc)
                 left -= take

@@ -13,6 +13,9 @@ Protocol (two-phase commit, so a partially written item is never served)::
 
 ``reserve`` makes room by evicting least-recently-used READY, unpinned items,
 and only if that is enough: otherwise it returns None and changes nothing.
+Only ready blocks count as room (see :meth:`BlockAllocator.add_ready`): while
+the arena is still being populated, a save that needs more is refused the
+same way, counted in ``reserve_failures``.
 WRITING and pinned items are never evicted. Misuse (unknown key, wrong state,
 unbalanced unpin, impossible size) raises a specific :class:`CatalogError`.
 
@@ -65,6 +68,7 @@ class CatalogStats:
     bytes_resident: int = 0
     free_blocks: int = 0
     largest_free_extent: int = 0
+    ready_blocks: int = 0  # blocks the arena's populate has made allocatable so far
 
 
 class Catalog:
@@ -223,6 +227,7 @@ class Catalog:
             bytes_resident=sum(e.nbytes for e in ready),
             free_blocks=self.allocator.free_blocks,
             largest_free_extent=self.allocator.largest_free_extent,
+            ready_blocks=self.allocator.ready_blocks,
         )
 
     def check(self) -> None:
@@ -238,7 +243,7 @@ class Catalog:
             assert entry.blocks == sum(count for _, count in entry.extents)
             assert (entry.key in self._lru) == (entry.state is ItemState.READY)
             assert entry.pins >= 0 and (entry.pins == 0 or entry.state is ItemState.READY)
-        assert len(owned) + self.allocator.free_blocks == self.allocator.num_blocks
+        assert len(owned) + self.allocator.free_blocks == self.allocator.ready_blocks
         assert self._evictable_blocks == sum(
             self._blocks(self._entries[k]) for k in self._lru if self._entries[k].pins == 0
         )

@@ -236,6 +236,14 @@ class _AllocatorView:
     def largest_free_extent(self) -> int:
         return self._c.stats().largest_free_extent
 
+    @property
+    def ready_blocks(self) -> int:
+        """Every block: the shared catalog does not follow a background populate yet."""
+        return self.num_blocks
+
+    def add_ready(self, ready_blocks: int) -> int:
+        return 0
+
     def blocks_for(self, nbytes: int) -> int:
         return self._c._blocks_for(nbytes)
 

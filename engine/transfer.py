@@ -3,10 +3,19 @@
 :class:`BlockMover` is the worker-side half of the engine: it knows an arena
 and a device, not the catalog. ``save`` packs a batch into given block tables;
 ``load`` unpacks block tables into fresh per-item tensors. On CUDA each runs
-as one kernel launch on a dedicated stream that first waits for the caller's
-stream; the returned :class:`Completion` carries the CUDA event that marks the
-end, and ``load`` makes the caller's stream wait on it, so work the caller
-enqueues next sees the data. On CPU the copies are synchronous.
+as one kernel launch on the mover's own stream; the returned
+:class:`Completion` carries the CUDA event that marks the end. Stream order:
+
+* ``save`` waits for the work queued on the caller's stream so far (it
+  produced the sources), and keeps the sources alive until the event: their
+  memory cannot be handed to another tensor while the copy still reads it.
+* ``load`` waits for nothing: its outputs are allocated for the copy stream
+  and its sources are pinned arena blocks, so it overlaps compute already
+  queued; the caller's stream waits on its event (work enqueued next sees the
+  data) and the outputs are recorded as used there.
+
+Events come from a small pool: one is reused once its copy was seen complete.
+On CPU the copies are synchronous.
 
 Paths, chosen once per mover:
 
@@ -14,11 +23,15 @@ Paths, chosen once per mover:
   (CPU under ``TRITON_INTERPRET=1``).
 * ``reference``: torch slice copies through the host tensor, when no kernel can
   run (CPU without the interpreter, or an arena CUDA could not register).
+
+On the kernel path, items with a block this process has not registered (the
+arena is still being populated, or that chunk's registration failed: see
+``Arena.covers``) take the reference path in the same call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -26,11 +39,13 @@ import torch
 from ..kernels import (
     PACK_CONFIG,
     UNPACK_CONFIG,
+    KernelVariant,
     LaunchConfig,
     empty_items,
     pack,
     triton_available,
     unpack,
+    warm_up,
 )
 from ..profiling.nvtx import nvtx_range
 from .arena import Arena
@@ -39,21 +54,39 @@ Extents = Sequence[tuple[int, int]]
 
 
 class Completion:
-    """The end of one asynchronous copy (None: a synchronous CPU copy, already done).
+    """The end of one asynchronous copy (no event: a synchronous CPU copy, already done).
 
-    The tensors it touched need no reference here: ``record_stream`` keeps the
-    caching allocator from reusing them before the copy's stream gets past it.
+    Holds ``keep_alive`` (the tensors the copy reads) until the copy is seen
+    complete, then drops them and hands the event to ``release`` (the mover's
+    pool).
     """
 
-    def __init__(self, event: torch.cuda.Event | None = None) -> None:
-        self._event = event
+    def __init__(
+        self,
+        event: torch.cuda.Event | None = None,
+        *,
+        keep_alive: Sequence[torch.Tensor] = (),
+        release: Callable[[torch.cuda.Event], None] | None = None,
+    ) -> None:
+        self._event, self._keep_alive, self._release = event, keep_alive, release
 
     def done(self) -> bool:
-        return self._event is None or self._event.query()
+        if self._event is None:
+            return True
+        if not self._event.query():
+            return False
+        self._finish()
+        return True
 
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
+            self._finish()
+
+    def _finish(self) -> None:
+        event, self._event, self._keep_alive = self._event, None, ()
+        if self._release is not None:
+            self._release(event)
 
 
 T = TypeVar("T")
@@ -82,6 +115,7 @@ class BlockMover:
         *,
         pack_config: LaunchConfig = PACK_CONFIG,
         unpack_config: LaunchConfig = UNPACK_CONFIG,
+        warm_up: bool = True,
     ) -> None:
         self.arena = arena
         if device is None:
@@ -92,12 +126,25 @@ class BlockMover:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.pack_config, self.unpack_config = pack_config, unpack_config
+        self._events: list[torch.cuda.Event] = []  # completed copies' events, for reuse
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
+            self._fence = torch.cuda.Event()  # "the caller's work so far", re-recorded per save
             self.path = "kernel" if arena.registered else "reference"
+            if warm_up and self.path == "kernel":
+                self.warm_up()
         else:
             self.stream = None
             self.path = "kernel" if triton_available(self.device) else "reference"
+
+    def warm_up(self) -> list[KernelVariant]:
+        """Compile every kernel variant this mover can launch, so none compiles mid-serving.
+
+        Runs when a CUDA mover on the kernel path is created (``warm_up=True``);
+        the time is logged. Compiles nothing on CPU.
+        """
+        return warm_up(self.device, pack_config=self.pack_config,
+                       unpack_config=self.unpack_config)  # fmt: skip
 
     def _arena_view(self) -> torch.Tensor:
         """The arena as the copy path addresses it (fetched per call: holds no view)."""
@@ -114,46 +161,70 @@ class BlockMover:
             if self.stream is None:
                 self._copy(sources, tables, to_arena=True)
                 return Completion()
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            for t in sources:  # the allocator must not reuse them before the copy ends
-                t.record_stream(self.stream)
+            # The producer's kernels are queued on the caller's stream: copy after them.
+            self._fence.record(torch.cuda.current_stream(self.device))
+            self.stream.wait_event(self._fence)
             with torch.cuda.stream(self.stream):
                 self._copy(sources, tables, to_arena=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            return Completion(event)
+                event = self._recorded_event()
+            return Completion(event, keep_alive=sources, release=self._events.append)
 
     def load(
         self, tables: Sequence[Extents], specs: Sequence[tuple[torch.dtype, Sequence[int]]]
     ) -> tuple[list[torch.Tensor], Completion]:
         """New tensors of the given (dtype, shape), filled from their blocks; one launch.
 
-        On CUDA the caller's current stream waits for the copy, so kernels it
-        launches next read the loaded data without a host sync.
+        On CUDA the copy does not wait for the caller's queued work; the caller's
+        current stream waits for the copy, so kernels it launches next read the
+        loaded data without a host sync.
         """
         with nvtx_range("ecoffload.load"):
-            outputs = empty_items(specs, self.device)
             if self.stream is None:
+                outputs = empty_items(specs, self.device)
                 self._copy(outputs, tables, to_arena=False)
                 return outputs, Completion()
             caller = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(caller)
-            if outputs:
-                outputs[0].record_stream(self.stream)  # views of one buffer: one record
             with torch.cuda.stream(self.stream):
+                outputs = empty_items(specs, self.device)  # copy-stream memory: free now
                 self._copy(outputs, tables, to_arena=False)
-                event = torch.cuda.Event()
-                event.record(self.stream)
+                event = self._recorded_event()
+            if outputs:
+                outputs[0].record_stream(caller)  # views of one buffer: used on the caller's
             caller.wait_event(event)
-            return outputs, Completion(event)
+            return outputs, Completion(event, release=self._events.append)
+
+    def _recorded_event(self) -> torch.cuda.Event:
+        """A pooled event recorded on the copy stream now (a new one if none is free)."""
+        event = self._events.pop() if self._events else torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def _copy(
         self, tensors: list[torch.Tensor], tables: Sequence[Extents], *, to_arena: bool
     ) -> None:
         block = self.arena.block_bytes
         backend = "auto" if self.path == "kernel" else "reference"
+        if backend == "auto" and self.arena.registered:
+            unregistered = {i for i, table in enumerate(tables) if not self.arena.covers(table)}
+            if unregistered:
+                host = sorted(unregistered)
+                self._host_copy([tensors[i] for i in host], [tables[i] for i in host], to_arena)
+                rest = [i for i in range(len(tables)) if i not in unregistered]
+                tensors, tables = [tensors[i] for i in rest], [tables[i] for i in rest]
+                if not tensors:
+                    return
         arena = self._arena_view()
         if to_arena:
             pack(tensors, tables, arena, block, config=self.pack_config, backend=backend)
         else:
             unpack(arena, tables, block, tensors, config=self.unpack_config, backend=backend)
+
+    def _host_copy(
+        self, tensors: list[torch.Tensor], tables: Sequence[Extents], to_arena: bool
+    ) -> None:
+        """Reference copies through the host mapping (blocks this process has not registered)."""
+        block, host = self.arena.block_bytes, self.arena.host
+        if to_arena:
+            pack(tensors, tables, host, block, backend="reference")
+        else:
+            unpack(host, tables, block, tensors, backend="reference")

@@ -10,26 +10,37 @@ tensors under the Triton interpreter.
 from .api import (
     PACK_CONFIG,
     UNPACK_CONFIG,
+    ItemViews,
     LaunchConfig,
     empty_items,
+    kernel_variants,
     pack,
+    plan_batch,
     triton_available,
     unpack,
+    warm_up,
 )
-from .plan import CopyPlan, PlanError, plan_copy
+from .block_copy import KernelVariant
+from .plan import VEC_WIDTHS, CopyPlan, PlanError, plan_copy
 from .reference import reference_pack, reference_unpack
 
 __all__ = [
     "PACK_CONFIG",
     "UNPACK_CONFIG",
+    "VEC_WIDTHS",
     "CopyPlan",
+    "ItemViews",
+    "KernelVariant",
     "LaunchConfig",
     "PlanError",
     "empty_items",
+    "kernel_variants",
     "pack",
+    "plan_batch",
     "plan_copy",
     "reference_pack",
     "reference_unpack",
     "triton_available",
     "unpack",
+    "warm_up",
 ]

@@ -14,6 +14,10 @@ same launch works in both modes and items may live in separate allocations.
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -21,11 +25,12 @@ from typing import Literal
 import torch
 
 from ..profiling.nvtx import nvtx_range
-from .block_copy import _block_copy_kernel, launch_block_copy
-from .plan import Extents, PlanError, plan_copy
+from .block_copy import KernelVariant, _block_copy_kernel, compile_variants, launch_block_copy
+from .plan import VEC_WIDTHS, CopyPlan, Extents, PlanError, plan_copy
 from .reference import byte_view, reference_pack, reference_unpack
 
 Backend = Literal["auto", "triton", "reference"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,10 @@ class LaunchConfig:
     num_programs: int
     num_warps: int
     tile_bytes: int = 16384
+    # Segments (contiguous on both sides) of at least this many bytes go to the
+    # copy engine, one ``copy_`` each on the same stream, the rest to the kernel.
+    # None until measured on the GPU (profiling/bench.py's DMA rows decide).
+    dma_min_bytes: int | None = None
 
 
 PACK_CONFIG = LaunchConfig(num_programs=8, num_warps=8)
@@ -44,10 +53,47 @@ UNPACK_CONFIG = LaunchConfig(num_programs=16, num_warps=4)
 ITEM_ALIGN = 256  # byte alignment of each item in buffers this module allocates
 
 
+def _interpreted() -> bool:
+    return type(_block_copy_kernel).__name__ == "InterpretedFunction"
+
+
 def triton_available(device: torch.device) -> bool:
     """Whether the Triton kernel can run on tensors of ``device``."""
-    interpreting = type(_block_copy_kernel).__name__ == "InterpretedFunction"
-    return device.type == "cpu" if interpreting else device.type == "cuda"
+    return device.type == "cpu" if _interpreted() else device.type == "cuda"
+
+
+def kernel_variants(
+    pack_config: LaunchConfig = PACK_CONFIG, unpack_config: LaunchConfig = UNPACK_CONFIG
+) -> list[KernelVariant]:
+    """Every kernel variant :func:`pack` and :func:`unpack` can launch with these configs:
+    both directions x every access width a plan can pick."""
+    return [
+        KernelVariant(to_arena, vec, config.tile_bytes, config.num_warps)
+        for to_arena, config in ((True, pack_config), (False, unpack_config))
+        for vec in VEC_WIDTHS
+    ]
+
+
+def warm_up(
+    device: torch.device,
+    *,
+    pack_config: LaunchConfig = PACK_CONFIG,
+    unpack_config: LaunchConfig = UNPACK_CONFIG,
+) -> list[KernelVariant]:
+    """Compile every variant launches with these configs can select, before the first copy.
+
+    Returns the variants compiled: none for a non-CUDA device or under the
+    interpreter, which compile nothing. Triton's on-disk cache makes later
+    processes' warm-ups fast.
+    """
+    if _interpreted() or device.type != "cuda":
+        return []
+    variants = kernel_variants(pack_config, unpack_config)
+    start = time.perf_counter()
+    compile_variants(variants, device)
+    log.info("ecoffload: %d kernel variants ready on %s in %.2f s",
+             len(variants), device, time.perf_counter() - start)  # fmt: skip
+    return variants
 
 
 def pack(
@@ -95,27 +141,61 @@ def unpack(
     Only the outputs are written.
     """
     with nvtx_range("ecoffload.unpack"):
-        _run(list(outputs), tables, arena, block_bytes, config, backend, to_arena=False)
+        outputs = outputs if isinstance(outputs, ItemViews) else list(outputs)
+        _run(outputs, tables, arena, block_bytes, config, backend, to_arena=False)
+
+
+class ItemViews(list):
+    """Per-item tensors that are views of one buffer, as :func:`empty_items` makes them.
+
+    It also carries the buffer and each item's byte offset and size, so
+    :func:`unpack` into it plans without asking each tensor for its address.
+    """
+
+    def __init__(self, views: list[torch.Tensor], buffer: torch.Tensor,
+                 offsets: list[int], nbytes: list[int]) -> None:  # fmt: skip
+        super().__init__(views)
+        self.buffer, self.offsets, self.nbytes = buffer, offsets, nbytes
 
 
 def empty_items(
     specs: Sequence[tuple[torch.dtype, Sequence[int]]], device: torch.device | str
-) -> list[torch.Tensor]:
+) -> ItemViews:
     """Uninitialised tensors of the given (dtype, shape), as views of one buffer.
 
     Each item starts at a multiple of 256 bytes, so :func:`unpack` writes all
-    of them in place with full-width accesses.
+    of them in place with full-width accesses. One allocation; when every item
+    has the same dtype (the usual case) the views are made without going
+    through bytes.
     """
-    sizes = [torch.Size(shape).numel() * dt.itemsize for dt, shape in specs]
+    nbytes = [math.prod(shape) * dt.itemsize for dt, shape in specs]
     offsets, total = [], 0
-    for n in sizes:
+    for n in nbytes:
         offsets.append(total)
         total += -(-n // ITEM_ALIGN) * ITEM_ALIGN
+    dtypes = {dt for dt, _ in specs}
+    if len(dtypes) == 1:
+        (dtype,) = dtypes
+        typed = torch.empty(total // dtype.itemsize, dtype=dtype, device=device)
+        views = [
+            torch.as_strided(typed, shape, _contiguous_strides(shape), offset // dtype.itemsize)
+            for offset, (_, shape) in zip(offsets, specs, strict=True)
+        ]
+        return ItemViews(views, typed.view(torch.uint8), offsets, nbytes)
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    return [
+    views = [
         buffer[o : o + n].view(dt).view(tuple(shape))
-        for o, n, (dt, shape) in zip(offsets, sizes, specs, strict=True)
+        for o, n, (dt, shape) in zip(offsets, nbytes, specs, strict=True)
     ]
+    return ItemViews(views, buffer, offsets, nbytes)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _run(
@@ -140,13 +220,7 @@ def _run(
         backend = "triton" if triton_available(arena.device) else "reference"
     if backend not in ("triton", "reference"):
         raise PlanError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    base, offsets, nbytes, span = _item_layout(tensors)
-    base_ptr = base.data_ptr() if base is not None else 0
-    plan = plan_copy(
-        offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
-        items_bytes=span, tile_bytes=config.tile_bytes,
-        base_alignment=_alignment(base_ptr) & _alignment(arena.data_ptr()),
-    )  # fmt: skip
+    base, offsets, plan = _plan(tensors, tables, arena, block_bytes, config)
     if backend == "reference":
         if to_arena:
             reference_pack(tensors, tables, arena, block_bytes)
@@ -164,9 +238,71 @@ def _run(
             raise PlanError(
                 f"tensor {i} is on {t.device}, expected the arena's device {arena.device}"
             )
+    if plan.dma:
+        _copy_engine(plan.dma, tensors, offsets, arena, to_arena=to_arena)
     if base is not None:
-        launch_block_copy(base, arena, plan, to_arena=to_arena,
-                          num_programs=config.num_programs, num_warps=config.num_warps)  # fmt: skip
+        launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps)
+
+
+def _copy_engine(
+    segments: Sequence[tuple[int, int, int]],
+    tensors: Sequence[torch.Tensor],
+    offsets: Sequence[int],
+    arena: torch.Tensor,
+    *,
+    to_arena: bool,
+) -> None:
+    """One ``copy_`` per long segment, on the current stream (cudaMemcpyAsync on CUDA)."""
+    nonempty = [i for i, t in enumerate(tensors) if t.numel()]
+    by_start = sorted(nonempty, key=offsets.__getitem__)
+    starts = [offsets[i] for i in by_start]
+    for src, dst, nbytes in segments:
+        item = by_start[bisect_right(starts, src) - 1]  # segments never cross items
+        data = byte_view(tensors[item])[src - offsets[item] :][:nbytes]
+        if to_arena:
+            arena[dst : dst + nbytes].copy_(data, non_blocking=True)
+        else:
+            data.copy_(arena[dst : dst + nbytes], non_blocking=True)
+
+
+def plan_batch(
+    tensors: Sequence[torch.Tensor],
+    tables: Sequence[Extents],
+    arena: torch.Tensor,
+    block_bytes: int,
+    *,
+    config: LaunchConfig = PACK_CONFIG,
+) -> tuple[torch.Tensor | None, CopyPlan]:
+    """(items base, plan) for one launch over ``tensors`` and ``arena``; validates everything.
+
+    The base is the lowest-addressed non-empty tensor as a flat uint8 view (None
+    when every tensor is empty); the plan's access width divides the absolute
+    address of every segment on both sides. :func:`pack`, :func:`unpack` and
+    the benchmark's prebuilt launches all plan through here.
+    """
+    base, _, plan = _plan(tensors, tables, arena, block_bytes, config)
+    return base, plan
+
+
+def _plan(
+    tensors: Sequence[torch.Tensor],
+    tables: Sequence[Extents],
+    arena: torch.Tensor,
+    block_bytes: int,
+    config: LaunchConfig,
+) -> tuple[torch.Tensor | None, list[int], CopyPlan]:
+    if isinstance(tensors, ItemViews):  # one buffer: its layout is known
+        base, offsets, nbytes = tensors.buffer, tensors.offsets, tensors.nbytes
+        span = base.numel()
+    else:
+        base, offsets, nbytes, span = _item_layout(list(tensors))
+    plan = plan_copy(
+        offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
+        items_bytes=span, tile_bytes=config.tile_bytes, num_programs=config.num_programs,
+        items_base=base.data_ptr() if base is not None else 0, arena_base=arena.data_ptr(),
+        dma_min_bytes=config.dma_min_bytes,
+    )  # fmt: skip
+    return base, offsets, plan
 
 
 def _item_layout(
@@ -193,6 +329,3 @@ def _item_layout(
     span = max(o + n for o, n in zip(offsets, sizes, strict=True))
     return byte_view(tensors[lowest]), offsets, sizes, span
 
-
-def _alignment(address: int) -> int:
-    return (address & -address) if address else 1 << 20

@@ -6,34 +6,58 @@ of ``block_bytes``-byte blocks of the arena, in stream order. Each extent
 becomes one segment: ``count * block_bytes`` consecutive bytes (fewer for
 the item's last extent) that are contiguous on both sides.
 
-Segment table, int64 ``[num_segments, 4]``::
+Launch table, one flat int64 tensor: the segment rows, then one row per program::
 
-    item_offset   byte offset in the items buffer
-    arena_offset  byte offset in the arena (start * block_bytes)
-    nbytes        bytes to copy
-    first_tile    global index of the segment's first tile (tiles are dealt
-                  round-robin to the persistent programs)
+    segments [S, 4]   item_offset   byte offset in the items buffer
+                      arena_offset  byte offset in the arena (start * block_bytes)
+                      nbytes        bytes to copy
+                      first_tile    global index of the segment's first tile
+    programs [P, 3]   first_segment the segment holding the program's first tile
+                      tile_begin    its contiguous range of global tiles
+                      tile_end
+
+A segment is cut into ``tile_bytes`` tiles of full-width accesses plus, when
+its size is not a multiple of the access width, one byte-wise tail tile. The
+step's tiles are split into ``P`` contiguous ranges of (nearly) equal length,
+so each program reads only the segment rows of its own range.
 
 Everything is validated here, on the host, before any launch: a table that
 points outside the arena, gives one block to two items, or does not cover its
-item exactly never reaches a kernel.
+item exactly (``ceil(nbytes / block_bytes)`` blocks, no more, no fewer) never
+reaches a kernel.
 
-Plain Python on purpose: a step has a few extents per item, and a loop over
-them costs ~1 us per extent where numpy would cost ~60 us per call in
-overhead. Cost grows with extents, never with blocks.
+Access width: a vector access is only as wide as the largest power of two
+dividing *every* address it touches, so the width is derived here, in one
+place, from the absolute address of every segment's source and destination
+(items base + item offset, arena base + arena offset). A misaligned vector
+access is a sticky "misaligned address" error on a GPU; the Triton
+interpreter never faults, so this is checked on addresses by the tests.
+
+Two implementations of one contract, chosen by size: a plain Python loop for
+steps of a few extents (numpy's per-call overhead would dominate there), and
+a vectorised numpy pass for fragmented steps (thousands of extents), where
+the loop's ~1 us per extent would cost milliseconds. The loop is the
+reference: when the vectorised pass finds any fault it hands the step to the
+loop, which names the first fault precisely. Cost grows with extents, never
+with blocks.
 """
 
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 Extents = Sequence[tuple[int, int]]
 
 MAX_VEC_BYTES = 16
+VECTORISE_FROM = 64  # extents per step from which numpy's whole-array passes pay
+VEC_WIDTHS = (1, 2, 4, 8, 16)  # every access width a plan can pick
 
 
 class PlanError(ValueError):
@@ -42,15 +66,26 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class CopyPlan:
-    segments: torch.Tensor  # int64 [S, 4], CPU
-    vec_bytes: int  # widest access every offset allows (1, 2, 4, 8 or 16)
+    table: torch.Tensor  # int64 [S * 4 + P * 3]: segment rows, then program rows (CPU)
+    num_segments: int
+    num_programs: int  # programs the launch runs: min(requested, num_tiles)
+    vec_bytes: int  # widest access every address allows (1, 2, 4, 8 or 16)
     tile_bytes: int
     num_tiles: int
     nbytes: int  # bytes moved in all
+    # Segments long enough for the copy engine: (item_offset, arena_offset, nbytes),
+    # not in the table (see ``dma_min_bytes``).
+    dma: tuple[tuple[int, int, int], ...] = ()
 
     @property
-    def num_segments(self) -> int:
-        return self.segments.shape[0]
+    def segments(self) -> torch.Tensor:
+        """int64 [S, 4]: item_offset, arena_offset, nbytes, first_tile."""
+        return self.table[: 4 * self.num_segments].view(-1, 4)
+
+    @property
+    def programs(self) -> torch.Tensor:
+        """int64 [P, 3]: first_segment, tile_begin, tile_end."""
+        return self.table[4 * self.num_segments :].view(-1, 3)
 
 
 def plan_copy(
@@ -62,7 +97,10 @@ def plan_copy(
     arena_bytes: int,
     items_bytes: int,
     tile_bytes: int = 16384,
-    base_alignment: int = MAX_VEC_BYTES,
+    items_base: int = 0,
+    arena_base: int = 0,
+    num_programs: int = 1,
+    dma_min_bytes: int | None = None,
 ) -> CopyPlan:
     """Build and validate the segment table for one launch.
 
@@ -73,8 +111,16 @@ def plan_copy(
         block_bytes: arena block size; arena_bytes: the arena's size in bytes.
         items_bytes: size of the items buffer (offsets are checked against it).
         tile_bytes: bytes one program copies per loop iteration.
-        base_alignment: largest power of two dividing both base addresses.
+        items_base, arena_base: absolute addresses of the items buffer and of the
+            arena (``data_ptr()``); the access width divides every segment's
+            ``items_base + item_offset`` and ``arena_base + arena_offset``.
+        num_programs: programs to split the tiles between (fewer if there are
+            fewer tiles).
+        dma_min_bytes: segments of at least this many bytes are left to the copy
+            engine (``CopyPlan.dma``) instead of the kernel; None: none are.
     """
+    if num_programs <= 0:
+        raise PlanError(f"num_programs must be positive, got {num_programs}")
     if not (len(item_offsets) == len(tables) == len(item_nbytes)):
         raise PlanError(
             f"expected one offset and one block table per item, got {len(item_offsets)} "
@@ -84,16 +130,52 @@ def plan_copy(
         raise PlanError(
             f"arena of {arena_bytes} bytes is not a whole number of {block_bytes}-byte blocks"
         )
-    num_blocks = arena_bytes // block_bytes
-    # Inside an item every extent starts a whole number of blocks in, so the
-    # widest access is set by the item offsets, the bases and the block size.
-    align_bits = base_alignment | block_bytes | MAX_VEC_BYTES
-    for offset in item_offsets:
-        align_bits |= offset
-    vec = align_bits & -align_bits
-    flat = array("q")
+    args = (item_offsets, item_nbytes, tables, block_bytes, arena_bytes // block_bytes,
+            items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
+    segments = None
+    if sum(len(table) for table in tables) >= VECTORISE_FROM:
+        segments = _segments_vectorised(*args)
+    flat, first_tiles, num_tiles, vec, total = segments or _segments_loop(*args)
+    dma: list[tuple[int, int, int]] = []
+    if dma_min_bytes is not None:
+        flat, first_tiles, num_tiles, dma = _leave_long_segments_to_dma(
+            flat, vec, tile_bytes, dma_min_bytes
+        )
+    programs = min(num_programs, num_tiles)
+    flat.extend(_split_tiles(first_tiles, num_tiles, programs))
+    table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
+    return CopyPlan(
+        table, len(first_tiles), programs, vec, tile_bytes, num_tiles, total, tuple(dma)
+    )
+
+
+def _leave_long_segments_to_dma(
+    flat: array, vec: int, tile_bytes: int, min_bytes: int
+) -> tuple[array, array, int, list[tuple[int, int, int]]]:
+    """Segment rows without those of ``min_bytes`` or more (tiles renumbered), and those."""
+    kept, first_tiles, dma, tile = array("q"), array("q"), [], 0
+    for i in range(0, len(flat), 4):
+        src, dst, take = flat[i], flat[i + 1], flat[i + 2]
+        if take >= min_bytes:
+            dma.append((src, dst, take))
+            continue
+        kept.extend((src, dst, take, tile))
+        first_tiles.append(tile)
+        tail = take % vec
+        tile += -(-(take - tail) // tile_bytes) + (tail != 0)
+    return kept, first_tiles, tile, dma
+
+
+def _segments_loop(
+    item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
+    items_base, arena_base,
+) -> tuple[array, array, int, int, int]:  # fmt: skip
+    """(segment rows, first tiles, tiles, access width, bytes): one item, one extent
+    at a time; raises PlanError naming the first fault."""
+    segments: list[tuple[int, int, int]] = []  # (item_offset, arena_offset, nbytes)
     owned: list[tuple[int, int, int]] = []  # (start, count, item) to find blocks given twice
-    first_tile = total = 0
+    align_bits = MAX_VEC_BYTES
+    total = 0
     for item, (offset, nbytes, table) in enumerate(
         zip(item_offsets, item_nbytes, tables, strict=True)
     ):
@@ -115,10 +197,17 @@ def plan_copy(
                     "a whole extent would stay unwritten; give each item exactly its blocks"
                 )
             take = min(count * block_bytes, nbytes - pos)
-            flat.extend((offset + pos, start * block_bytes, take, first_tile))
+            if count * block_bytes - take >= block_bytes:
+                raise PlanError(
+                    f"item {item} has {nbytes} bytes ({-(-nbytes // block_bytes)} blocks of "
+                    f"{block_bytes}) but its extent ({start}, {count}) runs "
+                    f"{(count * block_bytes - take) // block_bytes} block(s) past its end: "
+                    "give each item exactly its blocks"
+                )
+            src, dst = offset + pos, start * block_bytes
+            segments.append((src, dst, take))
             owned.append((start, count, item))
-            tail = take % vec
-            first_tile += -(-(take - tail) // tile_bytes) + (tail != 0)
+            align_bits |= (items_base + src) | (arena_base + dst)
             pos += take
         if pos < nbytes:
             raise PlanError(
@@ -126,9 +215,74 @@ def plan_copy(
                 f"({pos // block_bytes} blocks of {block_bytes})"
             )
         total += nbytes
+    vec = align_bits & -align_bits
+    flat = array("q")
+    first_tiles = array("q")
+    first_tile = 0
+    for src, dst, take in segments:
+        flat.extend((src, dst, take, first_tile))
+        first_tiles.append(first_tile)
+        tail = take % vec
+        first_tile += -(-(take - tail) // tile_bytes) + (tail != 0)
     _check_disjoint(owned)
-    table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-    return CopyPlan(table.view(-1, 4), vec, tile_bytes, first_tile, total)
+    return flat, first_tiles, first_tile, vec, total
+
+
+
+def _segments_vectorised(
+    item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
+    items_base, arena_base,
+) -> tuple[array, array, int, int, int] | None:  # fmt: skip
+    """What :func:`_segments_loop` returns, in whole-array passes; None if anything
+    is wrong (the loop then names the fault)."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    flat = chain.from_iterable(chain.from_iterable(tables))  # no tuple list in between
+    try:
+        extents = np.fromiter(flat, np.int64, 2 * int(lens.sum())).reshape(-1, 2)
+    except (ValueError, TypeError, OverflowError):
+        return None  # not (start, count) pairs of ints
+
+    starts, counts = extents[:, 0], extents[:, 1]
+    offsets = np.asarray(item_offsets, np.int64)
+    nbytes = np.asarray(item_nbytes, np.int64)
+    if (nbytes < 0).any() or (offsets < 0).any() or (offsets + nbytes > items_bytes).any():
+        return None
+    if (counts <= 0).any() or (starts < 0).any() or (starts + counts > num_blocks).any():
+        return None
+    item = np.repeat(np.arange(len(lens)), lens)  # the item of each extent
+    span = counts * block_bytes
+    stream_pos = np.cumsum(span) - span  # where each extent starts in the step's byte stream
+    item_pos = np.zeros(len(lens), np.int64)  # ...and where each item starts in it
+    item_pos[lens > 0] = stream_pos[(np.cumsum(lens) - lens)[lens > 0]]
+    pos = stream_pos - item_pos[item]  # where each extent starts inside its item
+    take = np.minimum(span, nbytes[item] - pos)
+    if (take <= 0).any() or (span - take >= block_bytes).any():
+        return None  # a block past the item's end, or a whole extent unwritten
+    if (np.bincount(item, weights=take, minlength=len(lens)) != nbytes).any():
+        return None  # an item not covered exactly
+    order = np.argsort(starts, kind="stable")
+    if (starts[order][1:] < (starts + counts)[order][:-1]).any():
+        return None  # blocks given twice
+    src = offsets[item] + pos
+    dst = starts * block_bytes
+    bits = np.bitwise_or.reduce(items_base + src) | np.bitwise_or.reduce(arena_base + dst)
+    vec = int((bits | MAX_VEC_BYTES) & -(bits | MAX_VEC_BYTES))
+    tail = take % vec
+    tiles = -(-(take - tail) // tile_bytes) + (tail != 0)
+    first_tiles = np.cumsum(tiles) - tiles
+    rows = np.stack([src, dst, take, first_tiles], axis=1)
+    return (array("q", rows.tobytes()), array("q", first_tiles.tobytes()),
+            int(tiles.sum()), vec, int(nbytes.sum()))  # fmt: skip
+
+
+def _split_tiles(first_tiles: array, num_tiles: int, programs: int) -> array:
+    """Program rows: ``num_tiles`` tiles in ``programs`` contiguous ranges of equal length
+    (+-1), each with the segment its first tile falls in (every segment has a tile)."""
+    rows = array("q")
+    for p in range(programs):
+        begin, end = num_tiles * p // programs, num_tiles * (p + 1) // programs
+        rows.extend((bisect_right(first_tiles, begin) - 1, begin, end))
+    return rows
 
 
 def _check_disjoint(owned: list[tuple[int, int, int]]) -> None:

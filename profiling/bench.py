@@ -32,19 +32,21 @@ import json
 import os
 import platform
 import random
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from ..engine.arena import Arena
 from ..engine.sizes import format_bytes
 from ..engine.transfer import BlockMover
-from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
+from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig, plan_batch
+from ..kernels.block_copy import launch_block_copy
 
 STEP_ROWS = [
     256,
@@ -131,9 +133,13 @@ class Bench:
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
-    def add(self, group, name, direction, nbytes, fn, *, reps=None, check=None, **extra) -> Row:
+    def add(self, group, name, direction, nbytes, fn=None, *, make=None, reps=None, check=None,
+            **extra) -> Row:  # fmt: skip
+        """Time ``fn`` (or the callable ``make()`` builds, built inside the guard) into a row."""
         row = Row(group, name, direction, nbytes, extra=extra)
         try:
+            if make is not None:
+                fn = make()
             row.ms = self.timed(fn, reps)
             row.gbps = nbytes / row.ms / 1e6
             if check is not None:
@@ -148,14 +154,18 @@ class Bench:
     # table layouts -------------------------------------------------------------
 
     def tables(self, block: int, shuffle: bool, seed: int = 0) -> list[list[tuple[int, int]]]:
-        """Block tables in arena units: each item cut into ``block``-byte blocks."""
+        """Block tables in arena units: each item cut into ``block``-byte blocks.
+
+        A table covers exactly the item's units (the planner refuses more): the
+        last block of an item keeps only the units its bytes reach.
+        """
         per = block // self.unit
         needs = [-(-n // block) for n in self.item_bytes]
         blocks = list(range(sum(needs)))
         if shuffle:
             random.Random(seed).shuffle(blocks)
         tables, at = [], 0
-        for need in needs:
+        for need, n in zip(needs, self.item_bytes, strict=True):
             mine, at = blocks[at : at + need], at + need
             table: list[tuple[int, int]] = []
             for b in mine:
@@ -163,6 +173,9 @@ class Bench:
                     table[-1] = (table[-1][0], table[-1][1] + per)
                 else:
                     table.append((b * per, per))
+            if table:
+                surplus = need * per - -(-n // self.unit)
+                table[-1] = (table[-1][0], table[-1][1] - surplus)
             tables.append(table)
         return tables
 
@@ -175,19 +188,30 @@ class Bench:
         print(f"\n{'CUDA' if self.cuda else 'CPU (small sizes; says nothing about PCIe)'} "
               f"step: {len(self.items)} items, {sum(self.step_rows)} rows x {self.hidden} bf16, "
               f"{format_bytes(self.step_bytes)}; arena {self.arena}\n")  # fmt: skip
-        self.limits()
-        self.seed_style()
+        suites = [self.limits, self.seed_style]
         if self.cuda:
-            self.batched_copy_engine()
-        self.dma_per_item()
-        self.ecoffload()
-        self.small_item()
-        self.integrity_cost()
-        self.launch_cpu_time()
+            suites.append(self.batched_copy_engine)
+        suites += [self.dma_per_item, self.ecoffload, self.small_item, self.integrity_cost,
+                   self.launch_cpu_time]  # fmt: skip
         if self.cuda:
-            self.interference()
+            suites.append(self.interference)
             if not self.quick:
-                self.program_sweep()
+                suites.append(self.program_sweep)
+        for suite in suites:
+            try:
+                suite()
+            except Exception as exc:  # one broken suite must not hide the others
+                error = f"{type(exc).__name__}: {exc}"[:300]
+                self.rows.append(Row(suite.__name__, "(suite failed)", "-", 0, error=error))
+                print(f"  {suite.__name__:<22} suite failed: {error}", flush=True)
+
+    def paths(self) -> dict:
+        """Which copy path the ecoffload rows measured, and why."""
+        return {
+            "arena_registered": self.arena.registered,
+            "mover_path": self.mover.path if self.mover is not None else None,
+            "arena": repr(self.arena),
+        }
 
     def limits(self) -> None:
         n = self.limit_bytes
@@ -245,35 +269,28 @@ class Bench:
             return
         base = self.arena.host.data_ptr()
         for label, block in (("token-row blocks", self.row_bytes), ("64 KiB blocks", BIG_BLOCK)):
-            tables = self.tables(max(block, self.unit), shuffle=True, seed=2)
             if block < self.unit:
                 continue
-            gpu, host, sizes = [], [], []
-            for t, table, n in zip(self.items, tables, self.item_bytes, strict=True):
-                pos = 0
-                for start, count in table:
-                    for k in range(count * self.unit // block):
-                        size = min(block, n - pos)
-                        if size <= 0:
-                            break
-                        gpu.append(t.data_ptr() + pos)
-                        host.append(base + (start * self.unit) + k * block)
-                        sizes.append(size)
-                        pos += size
-            cpu_ms: list[float] = []
+            tables = self.tables(block, shuffle=True, seed=2)
+            gpu, host, sizes = block_copies([t.data_ptr() for t in self.items], self.item_bytes,
+                                            tables, self.unit, block, base)  # fmt: skip
+            # Descriptors (CUdeviceptr lists, attributes) built here: the timed call
+            # is the driver call alone.
+            batches = {"save": copier.prepare(host, gpu, sizes, to_host=True),
+                       "load": copier.prepare(gpu, host, sizes, to_host=False)}  # fmt: skip
+            for direction, batch in batches.items():
+                cpu_ms: list[float] = []
 
-            def call(dsts, srcs, to_host, sizes=sizes, cpu_ms=cpu_ms):
-                t0 = time.perf_counter()
-                copier(dsts, srcs, sizes, to_host=to_host, stream=self.side)
-                cpu_ms.append((time.perf_counter() - t0) * 1e3)
+                def call(batch=batch, cpu_ms=cpu_ms):
+                    t0 = time.perf_counter()
+                    copier(batch, self.side)
+                    cpu_ms.append((time.perf_counter() - t0) * 1e3)
 
-            self.add("batched copy engine", label, "save", self.step_bytes,
-                     lambda h=host, g=gpu: call(h, g, True), copies=len(sizes))  # fmt: skip
-            self.rows[-1].extra["cpu_ms_of_call"] = statistics.median(cpu_ms) if cpu_ms else None
-            cpu_ms.clear()
-            self.add("batched copy engine", label, "load", self.step_bytes,
-                     lambda h=host, g=gpu: call(g, h, False), copies=len(sizes))  # fmt: skip
-            self.rows[-1].extra["cpu_ms_of_call"] = statistics.median(cpu_ms) if cpu_ms else None
+                self.add("batched copy engine", label, direction, self.step_bytes, call,
+                         copies=len(sizes))  # fmt: skip
+                self.rows[-1].extra["cpu_ms_of_call"] = (
+                    statistics.median(cpu_ms) if cpu_ms else None
+                )
 
     def dma_per_item(self) -> None:
         offsets = [0]
@@ -299,6 +316,13 @@ class Bench:
             "DMA per item", "one copy_ per item, contiguous slices", "load", self.step_bytes, load
         )
 
+    @property
+    def ecoffload_group(self) -> str:
+        """Rows of the engine's own calls, labelled with the path they really took."""
+        if self.mover.path == "kernel":
+            return "ecoffload"
+        return "ecoffload [reference path: arena not registered]"
+
     def ecoffload(self) -> None:
         specs = [(t.dtype, tuple(t.shape)) for t in self.items]
         layouts = [
@@ -306,48 +330,39 @@ class Bench:
             ("shuffled 64 KiB blocks", BIG_BLOCK, True),
             ("shuffled token-row blocks", self.row_bytes, True),
         ]
+        group = self.ecoffload_group
         for label, block, shuffle in layouts:
             if block % self.unit:
                 continue
             tables = self.tables(block, shuffle, seed=3)
             extents = sum(len(t) for t in tables)
-            self.add("ecoffload", f"{label}, engine call", "save", self.step_bytes,
+            self.add(group, f"{label}, engine call", "save", self.step_bytes,
                      lambda tb=tables: self.mover.save(self.items, tb),
                      check=lambda tb=tables: self.check_round_trip(tb), extents=extents,
-                     programs=PACK_CONFIG.num_programs)  # fmt: skip
-            self.add("ecoffload", f"{label}, engine call", "load", self.step_bytes,
+                     programs=PACK_CONFIG.num_programs, path=self.mover.path)  # fmt: skip
+            self.add(group, f"{label}, engine call", "load", self.step_bytes,
                      lambda tb=tables: self.mover.load(tb, specs), extents=extents,
-                     programs=UNPACK_CONFIG.num_programs)  # fmt: skip
+                     programs=UNPACK_CONFIG.num_programs, path=self.mover.path)  # fmt: skip
             if self.cuda:
                 for direction, config in (("save", PACK_CONFIG), ("load", UNPACK_CONFIG)):
-                    launch = self.kernel_only(self.items, tables, config, direction == "save")
                     self.add("ecoffload", f"{label}, kernel only (plan prebuilt)", direction,
-                             self.step_bytes, launch, extents=extents)  # fmt: skip
+                             self.step_bytes, extents=extents,
+                             make=lambda tb=tables, c=config, d=direction: self.kernel_only(
+                                 self.items, tb, c, d == "save"))  # fmt: skip
 
     def kernel_only(self, sources, tables, config: LaunchConfig, to_arena: bool):
-        """A launch with its plan built beforehand: the kernel's own time, on the side stream."""
-        from ..kernels.api import _alignment, _item_layout
-        from ..kernels.block_copy import launch_block_copy
-        from ..kernels.plan import plan_copy
+        """A launch with its plan built beforehand: the kernel's own time, on the side stream.
 
-        arena = self.arena.device_view(self.device)
-        base, offsets, sizes, span = _item_layout(list(sources))
-        plan = plan_copy(
-            offsets, sizes, tables, block_bytes=self.unit,
-            arena_bytes=arena.numel(), items_bytes=span, tile_bytes=config.tile_bytes,
-            base_alignment=_alignment(base.data_ptr()) & _alignment(arena.data_ptr()),
-        )  # fmt: skip
-        plan = type(plan)(plan.segments.to(self.device), plan.vec_bytes, plan.tile_bytes,
-                          plan.num_tiles, plan.nbytes)  # fmt: skip
-
-        def launch():
-            with torch.cuda.stream(self.side):
-                launch_block_copy(
-                    base, arena, plan, to_arena=to_arena,
-                    num_programs=config.num_programs, num_warps=config.num_warps,
-                )  # fmt: skip
-
-        return launch
+        Needs the kernel path (a registered arena on CUDA); raises otherwise, so
+        the row records why instead of timing something else.
+        """
+        if self.mover.path != "kernel":
+            raise RuntimeError(
+                f"no kernel to time: the arena is not registered with CUDA ({self.arena}); "
+                "the engine runs the reference path"
+            )
+        return prebuilt_launch(sources, tables, self.arena.device_view(self.device), self.unit,
+                               config, to_arena=to_arena, stream=self.side)  # fmt: skip
 
     def check_round_trip(self, tables) -> None:
         outputs, done = self.mover.load(tables, [(t.dtype, tuple(t.shape)) for t in self.items])
@@ -363,10 +378,11 @@ class Bench:
         n = item.numel() * 2
         table = [[(0, -(-n // self.unit))]]
         spec = [(item.dtype, tuple(item.shape))]
-        self.add("one item", f"{rows} rows, ecoffload save", "save", n,
-                 lambda: self.mover.save([item], table).wait(), reps=30)  # fmt: skip
-        self.add("one item", f"{rows} rows, ecoffload load", "load", n,
-                 lambda: self.mover.load(table, spec)[1].wait(), reps=30)  # fmt: skip
+        path = self.mover.path
+        self.add("one item", f"{rows} rows, ecoffload save ({path} path)", "save", n,
+                 lambda: self.mover.save([item], table).wait(), reps=30, path=path)  # fmt: skip
+        self.add("one item", f"{rows} rows, ecoffload load ({path} path)", "load", n,
+                 lambda: self.mover.load(table, spec)[1].wait(), reps=30, path=path)  # fmt: skip
         host = self.arena.host[:n]
         self.add("one item", f"{rows} rows, one copy_ (DMA)", "save", n,
                  lambda: host.copy_(item.view(-1).view(torch.uint8), non_blocking=True),
@@ -438,21 +454,24 @@ class Bench:
         table = [[(b, 1) for b in order]]
         host = self.arena.host[: src.numel() * 2]
         matmul_ms = self.timed(matmuls)
+        kernel = self.kernel_only
         variants = [
             ("ecoffload save, 8 programs x 8 warps (default)",
-             self.kernel_only([src], table, PACK_CONFIG, True), None),
+             lambda: kernel([src], table, PACK_CONFIG, True)),
             ("ecoffload save, 16 programs x 4 warps",
-             self.kernel_only([src], table, LaunchConfig(16, 4), True), None),
+             lambda: kernel([src], table, LaunchConfig(16, 4), True)),
             ("ecoffload load, 16 programs x 4 warps (default)",
-             self.kernel_only([src], table, UNPACK_CONFIG, False), None),
+             lambda: kernel([src], table, UNPACK_CONFIG, False)),
             ("ecoffload save, 132 programs (one per SM)",
-             self.kernel_only([src], table, LaunchConfig(132, 8), True), None),
-            ("DMA, one contiguous copy_", lambda: _on(self.side, lambda: host.copy_(
-                src.view(-1).view(torch.uint8), non_blocking=True)), None),
+             lambda: kernel([src], table, LaunchConfig(132, 8), True)),
+            ("DMA, one contiguous copy_", lambda: lambda: _on(self.side, lambda: host.copy_(
+                src.view(-1).view(torch.uint8), non_blocking=True))),
         ]  # fmt: skip
-        for name, save, _ in variants:
-            row = Row("interference", name, "load" if " load" in name else "save", src.numel() * 2)
+        for name, make in variants:
+            direction = "load" if " load" in name else "save"
+            row = Row("interference", name, direction, src.numel() * 2)
             try:
+                save = make()
                 alone = self.timed(save)
                 both = self.timed(lambda save=save: (save(), matmuls()))
                 row.ms, row.gbps = alone, row.nbytes / alone / 1e6
@@ -464,7 +483,7 @@ class Bench:
                 row.error = f"{type(exc).__name__}: {exc}"[:300]
                 status = row.error
             self.rows.append(row)
-            print(f"  {'interference':<22} {name:<46} {'save':<5} {status}", flush=True)
+            print(f"  {'interference':<22} {name:<46} {direction:<5} {status}", flush=True)
 
     def program_sweep(self) -> None:
         tables = self.tables(self.row_bytes, shuffle=True, seed=6)
@@ -472,9 +491,10 @@ class Bench:
             for warps in (4, 8):
                 config = LaunchConfig(programs, warps)
                 for direction in ("save", "load"):
-                    launch = self.kernel_only(self.items, tables, config, direction == "save")
                     self.add("sweep", f"{programs} programs x {warps} warps", direction,
-                             self.step_bytes, launch, reps=3)  # fmt: skip
+                             self.step_bytes, reps=3,
+                             make=lambda c=config, d=direction: self.kernel_only(
+                                 self.items, tables, c, d == "save"))  # fmt: skip
 
 
 def _null():
@@ -486,6 +506,60 @@ def _null():
 def _on(stream, fn):
     with torch.cuda.stream(stream):
         fn()
+
+
+def prebuilt_launch(
+    sources: Sequence[torch.Tensor],
+    tables,
+    arena: torch.Tensor,
+    block_bytes: int,
+    config: LaunchConfig,
+    *,
+    to_arena: bool,
+    stream: torch.cuda.Stream | None = None,
+) -> Callable[[], None]:
+    """One launch whose plan (and, on CUDA, segment upload) is done now, not when called.
+
+    Planned by :func:`ecoffload.kernels.plan_batch`, exactly as the engine plans:
+    the same access width for the same tensors.
+    """
+    base, plan = plan_batch(sources, tables, arena, block_bytes, config=config)
+    if base is None:
+        return lambda: None
+    plan = replace(plan, table=plan.table.to(arena.device))
+
+    def launch() -> None:
+        with torch.cuda.stream(stream) if stream is not None else _null():
+            launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps)
+
+    return launch
+
+
+def block_copies(
+    item_ptrs: Sequence[int],
+    item_bytes: Sequence[int],
+    tables: Sequence[Sequence[tuple[int, int]]],
+    unit: int,
+    block: int,
+    arena_base: int,
+) -> tuple[list[int], list[int], list[int]]:
+    """(GPU addresses, arena addresses, sizes): one copy per ``block``-byte block of each
+    item, as a per-block copy engine does; tables count ``unit``-byte arena units."""
+    gpu, host, sizes = [], [], []
+    for ptr, n, table in zip(item_ptrs, item_bytes, tables, strict=True):
+        pos = 0
+        for start, count in table:
+            for k in range(-(-count * unit // block)):
+                size = min(block, count * unit - k * block, n - pos)
+                if size <= 0:
+                    break
+                gpu.append(ptr + pos)
+                host.append(arena_base + start * unit + k * block)
+                sizes.append(size)
+                pos += size
+        if pos != n:
+            raise ValueError(f"block table covers {pos} of the item's {n} bytes")
+    return gpu, host, sizes
 
 
 def _make_arena(num_blocks: int, block: int, arena_dir: str | None) -> Arena:
@@ -598,22 +672,49 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     os.makedirs(args.out, exist_ok=True)
-    bench = Bench(device, args.quick, args.arena_dir)
+    bench, rows, paths, error = None, [], {}, None
     try:
+        bench = Bench(device, args.quick, args.arena_dir)
+        paths = bench.paths()
+        print(f"arena registered with CUDA: {paths['arena_registered']}; "
+              f"ecoffload rows take the {paths['mover_path']} path")  # fmt: skip
         bench.run()
+    except BaseException as exc:  # recorded in bench.json, then re-raised
+        error = f"{type(exc).__name__}: {exc}"[:1000]
+        raise
     finally:
-        bench.close()
-    table = summarize(bench.rows, bench.cuda)
-    print("\n" + table)
-    env = environment(device)
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"environment": env, "rows": [asdict(r) for r in bench.rows]}, f, indent=1)
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(f"{json.dumps(env)}\n\n{table}\n")
-    if plot(bench.rows, os.path.join(args.out, "bench.png"), bench.cuda):
-        print(f"\nwrote {args.out}/bench.json, bench.md, bench.png")
+        if bench is not None:
+            rows = bench.rows
+            try:
+                bench.close()
+            except Exception as exc:
+                error = error or f"close failed: {type(exc).__name__}: {exc}"
+        write_results(args.out, device, rows, paths, error)
     return 0
 
 
+def write_results(out: str, device: torch.device, rows: list[Row], paths: dict,
+                  error: str | None) -> None:  # fmt: skip
+    """bench.json (always), bench.md and bench.png (when matplotlib is installed)."""
+    cuda = device.type == "cuda"
+    try:
+        env = environment(device)
+    except Exception as exc:
+        env = {"device": str(device), "environment_error": f"{type(exc).__name__}: {exc}"}
+    env.update(paths)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump({"environment": env, "error": error, "rows": [asdict(r) for r in rows]}, f,
+                  indent=1)  # fmt: skip
+    table = summarize(rows, cuda)
+    print("\n" + table)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(f"{json.dumps(env)}\n\n{table}\n")
+    if plot(rows, os.path.join(out, "bench.png"), cuda):
+        print(f"\nwrote {out}/bench.json, bench.md, bench.png")
+    else:
+        print(f"\nwrote {out}/bench.json, bench.md")
+
 if __name__ == "__main__":
+    # `timeout` sends SIGTERM: unwind through main's finally, so bench.json is written.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     sys.exit(main())

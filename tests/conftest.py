@@ -1,11 +1,16 @@
 """Test set-up: the Triton interpreter for CPU runs, temporary arena directories.
 
 TRITON_INTERPRET must be set before any kernel module is imported, so it is
-set here, at collection time. It is left alone when CUDA is available, so
-`pytest -m gpu` compiles the real kernels.
+set here, at collection time. It is never set when CUDA is available: there,
+every test that runs the kernel (marked `kernel` or `gpu`) runs it compiled;
+`pytest -m "gpu or kernel"` is the GPU check's selection.
+
+hypothesis is optional: without it, test files that import it are not
+collected (and are listed at the end of the run), so the rest still runs.
 """
 
 import os
+import re
 import sys
 
 import pytest
@@ -27,13 +32,51 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+try:
+    import hypothesis
+except ImportError:
+    hypothesis = None
+
 # CI replays the same examples every run (a red CI must be reproducible);
 # locally hypothesis explores new ones each time.
-if os.environ.get("CI"):
-    from hypothesis import settings
+if os.environ.get("CI") and hypothesis is not None:
+    hypothesis.settings.register_profile("ecoffload-ci", derandomize=True, database=None)
+    hypothesis.settings.load_profile("ecoffload-ci")
 
-    settings.register_profile("ecoffload-ci", derandomize=True, database=None)
-    settings.load_profile("ecoffload-ci")
+_IMPORTS_HYPOTHESIS = re.compile(r"^(?:from|import) hypothesis\b", re.MULTILINE)
+_NOT_COLLECTED: list[str] = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "kernel: runs the Triton kernel (compiled on CUDA, interpreted on CPU); "
+        "the GPU check runs `pytest -m 'gpu or kernel'`",
+    )
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Without hypothesis, skip the test files that import it instead of failing collection."""
+    if hypothesis is not None or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    if _IMPORTS_HYPOTHESIS.search(collection_path.read_text(encoding="utf-8")):
+        _NOT_COLLECTED.append(collection_path.name)
+        return True
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _NOT_COLLECTED:
+        terminalreporter.write_line(
+            "not collected, hypothesis is not installed: " + ", ".join(sorted(_NOT_COLLECTED))
+        )
+    if _HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1":
+        terminalreporter.write_line(
+            "TRITON_INTERPRET=1 was set although CUDA is available: kernel tests did not run "
+            "compiled; unset it"
+        )
 
 
 def pytest_collection_modifyitems(config, items):

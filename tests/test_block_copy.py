@@ -19,9 +19,12 @@ from ecoffload.kernels import (
 B = 4096
 POISON = 0xA5
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(
-    not triton_available(DEVICE), reason="Triton cannot run here (no CUDA, no TRITON_INTERPRET)"
-)
+pytestmark = [
+    pytest.mark.kernel,
+    pytest.mark.skipif(
+        not triton_available(DEVICE), reason="Triton cannot run here (no CUDA, no TRITON_INTERPRET)"
+    ),
+]
 
 
 def random_item(gen, rows, hidden, dtype):
@@ -184,20 +187,23 @@ def check_tables(items, tables, num_blocks):
 
 
 @pytest.mark.parametrize(
-    "tables,match",
+    "sizes,tables,match",
     [
-        ([[(7, 2)]], "not inside the arena"),
-        ([[(-1, 1)]], "not inside the arena"),
-        ([[(0, 0)]], "not inside the arena"),
-        ([[(0, 1)], [(0, 1)]], "blocks given twice"),
-        ([[(0, 2)], [(1, 1)]], "blocks given twice"),
-        ([[]], "covers only 0"),
-        ([[(0, 1), (3, 1)]], "a whole extent would stay unwritten"),
+        ([100], [[(7, 2)]], "not inside the arena"),
+        ([100], [[(-1, 1)]], "not inside the arena"),
+        ([100], [[(0, 0)]], "not inside the arena"),
+        ([100, 100], [[(0, 1)], [(0, 1)]], "blocks given twice"),
+        ([B + 1, 100], [[(0, 2)], [(1, 1)]], "blocks given twice"),
+        ([100], [[]], "covers only 0"),
+        ([100], [[(0, 1), (3, 1)]], "a whole extent would stay unwritten"),
+        ([100], [[(0, 2)]], "past its end"),
+        ([B + 1], [[(0, 1), (3, 2)]], "past its end"),
     ],
-    ids=["past-end", "negative", "empty-extent", "duplicate", "overlap", "too-short", "too-long"],
+    ids=["past-end", "negative", "empty-extent", "duplicate", "overlap", "too-short", "too-long",
+         "last-extent-too-long", "multi-extent-too-long"],  # fmt: skip
 )
-def test_bad_tables_are_refused_before_launch(tables, match):
-    items = [torch.ones(100, dtype=torch.uint8, device=DEVICE)] * len(tables)
+def test_bad_tables_are_refused_before_launch(sizes, tables, match):
+    items = [torch.ones(n, dtype=torch.uint8, device=DEVICE) for n in sizes]
     arena = torch.full((8 * B,), POISON, dtype=torch.uint8, device=DEVICE)
     for backend in ("triton", "reference"):
         with pytest.raises(PlanError, match=match):

@@ -376,8 +376,8 @@ def test_worker_metadata_aggregates_across_ranks():
 def test_stats_hooks_report_deltas(pair):
     sched, worker = pair
     first = sched.get_ec_connector_stats()  # the arena's occupancy, once
-    assert first.data == {"items_resident": 0, "bytes_resident": 0,
-                          "blocks_free": 64, "blocks_total": 64}  # fmt: skip
+    assert first.data == {"items_resident": 0, "bytes_resident": 0, "blocks_free": 64,
+                          "blocks_total": 64, "arena_ready_fraction": 1.0}  # fmt: skip
     assert sched.get_ec_connector_stats() is None
     sched.has_cache_item("nope")
     stats = sched.get_ec_connector_stats()

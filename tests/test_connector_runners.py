@@ -5,8 +5,6 @@ drives the worker through the installed runner code (see vllm_runners.py),
 for every role, with save steps, load steps and steps without a forward.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -274,8 +272,8 @@ def test_only_the_first_rank_of_every_parallel_group_writes(monkeypatch, tp, pp,
     assert compat.is_writer_rank() is writes
 
 
-def test_worker_processes_count_every_parallel_dimension(model_config):
-    config = make_config(os.devnull, model_config=model_config)
+def test_worker_processes_count_every_parallel_dimension(model_config, arena_dir):
+    config = make_config(arena_dir, model_config=model_config)
     parallel = config.parallel_config
     parallel.tensor_parallel_size, parallel.pipeline_parallel_size = 2, 3
     parallel.prefill_context_parallel_size = 2

@@ -2,6 +2,7 @@
 stream ordering. Marked `gpu`; they skip cleanly without CUDA. Run: pytest -m gpu"""
 
 import random
+import time
 
 import pytest
 import torch
@@ -9,7 +10,17 @@ import torch
 from ecoffload.engine import OffloadCache
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.transfer import BlockMover
-from ecoffload.kernels import LaunchConfig, empty_items, pack, reference_pack, unpack
+from ecoffload.kernels import (
+    LaunchConfig,
+    empty_items,
+    kernel_variants,
+    pack,
+    plan_batch,
+    reference_pack,
+    triton_available,
+    unpack,
+)
+from ecoffload.kernels.block_copy import _block_copy_kernel
 
 pytestmark = pytest.mark.gpu
 B = 4096
@@ -120,3 +131,83 @@ def test_unregistered_arena_falls_back_to_host_copies(arena_dir):
         cache.save(data)
         cache.flush()
         assert torch.equal(cache.load(["a"])["a"], data["a"])
+
+
+def test_the_kernel_runs_compiled_not_interpreted():
+    assert type(_block_copy_kernel).__name__ == "JITFunction", (
+        "the Triton interpreter is on (TRITON_INTERPRET=1?): kernel tests would not run compiled"
+    )
+    assert triton_available(torch.device("cuda"))
+
+
+def _compiled_variants() -> int:
+    """Kernels compiled so far for the current device (Triton's in-memory cache)."""
+    caches = _block_copy_kernel.device_caches[torch.cuda.current_device()]
+    return len(next(c for c in caches if isinstance(c, dict)))
+
+
+def test_no_kernel_compiles_after_the_movers_warm_up(arena):
+    mover = BlockMover(arena, "cuda")  # compiles every variant it can launch
+    warmed = _compiled_variants()
+    assert warmed >= len(kernel_variants(mover.pack_config, mover.unpack_config))
+    gen = torch.Generator().manual_seed(7)
+    storage = torch.randint(0, 256, (64 * B,), dtype=torch.uint8, generator=gen).cuda()
+    for start in (0, 1, 2, 3, 4, 6, 8, 12, 16):  # every access width, any base alignment
+        for count in (1, 2, 16, 17, 40):  # segment counts Triton would have specialised
+            items = [storage[start + 1100 * i : start + 1100 * i + 1000] for i in range(count)]
+            tables = [[(i, 1)] for i in range(count)]
+            mover.save(items, tables).wait()
+            outputs, done = mover.load(tables, [(torch.uint8, (1000,))] * count)
+            done.wait()
+            assert all(torch.equal(o, t) for o, t in zip(outputs, items, strict=True))
+    assert _compiled_variants() == warmed, "a launch compiled a new kernel variant mid-serving"
+
+
+@pytest.mark.parametrize("item_offset", [1, 2, 4, 8])
+@pytest.mark.parametrize("arena_offset", [0, 2, 4])
+def test_misaligned_views_on_both_sides_round_trip_compiled(arena, item_offset, arena_offset):
+    """Views whose addresses allow only narrow accesses: a 16-byte access would be a
+    sticky 'misaligned address' error; the plan's width keeps every access legal."""
+    gen = torch.Generator().manual_seed(item_offset * 10 + arena_offset)
+    storage = torch.randint(0, 256, (3 * B + 64,), dtype=torch.uint8, generator=gen).cuda()
+    item = storage[item_offset : item_offset + 3 * B - 5]
+    view = arena.device[arena_offset : arena_offset + 8 * B]
+    _, plan = plan_batch([item], [[(2, 3)]], view, B)
+    assert plan.vec_bytes <= min(item.data_ptr() & -item.data_ptr(), 16)
+    arena.host.fill_(POISON)
+    pack([item], [[(2, 3)]], view, B)
+    torch.cuda.synchronize()
+    assert torch.equal(arena.host[arena_offset + 2 * B : arena_offset + 5 * B - 5], item.cpu())
+    assert (arena.host[: arena_offset + 2 * B] == POISON).all()
+    assert (arena.host[arena_offset + 5 * B - 5 :] == POISON).all()
+    out = torch.full((3 * B + 64,), POISON, dtype=torch.uint8, device="cuda")
+    target = out[item_offset : item_offset + 3 * B - 5]
+    unpack(view, [[(2, 3)]], B, [target])
+    torch.cuda.synchronize()
+    assert torch.equal(target, item)
+    assert (out[:item_offset] == POISON).all() and (out[item_offset + 3 * B - 5 :] == POISON).all()
+
+
+def test_save_and_load_return_to_the_host_behind_queued_compute_and_loads_overlap_it(arena):
+    """The hot path never waits for the model: the segment table goes up from pinned
+    memory, a save only orders itself after the producer, a load after nothing."""
+    mover = BlockMover(arena, "cuda")
+    src = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    tables = [[(0, 128)]]
+    mover.save([src], tables).wait()  # warm: compiled, pools filled
+    a = torch.randn(4096, 4096, device="cuda")
+    compute_done = torch.cuda.Event()
+    for _ in range(40):  # tens of ms of queued compute on the caller's stream
+        a = a @ a / 64
+    compute_done.record()
+    start = time.perf_counter()
+    saved = mover.save([src], tables)
+    (out,), loaded = mover.load(tables, [(torch.bfloat16, (64, 4096))])
+    host_s = time.perf_counter() - start
+    assert not compute_done.query(), "the matmuls finished too early to tell"
+    assert host_s < 0.005, f"save + load held the host {host_s * 1e3:.1f} ms behind compute"
+    loaded.wait()  # the load ran beside the matmuls...
+    assert not compute_done.query(), "the load waited for the queued compute"
+    saved.wait()  # ...the save after them (it must read what they produced)
+    assert compute_done.query()
+    assert same_bytes(out, src)

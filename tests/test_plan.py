@@ -31,8 +31,14 @@ def test_access_width_follows_the_worst_alignment(offset, vec):
     assert plan([offset], [100], [[(0, 1)]]).vec_bytes == vec
 
 
-def test_base_alignment_limits_access_width():
-    assert plan([0], [100], [[(0, 1)]], base_alignment=4).vec_bytes == 4
+@pytest.mark.parametrize(
+    "items_base,arena_base,vec",
+    [(0x7F00, 0x1000, 16), (0x7F04, 0x1000, 4), (0x7F00, 0x1002, 2), (0x7F08, 0x1004, 4)],
+)
+def test_base_addresses_limit_access_width(items_base, arena_base, vec):
+    p = plan([0, 256], [100, 100], [[(0, 1)], [(3, 1)]], items_base=items_base,
+             arena_base=arena_base)  # fmt: skip
+    assert p.vec_bytes == vec
 
 
 def test_empty_plan():
@@ -54,3 +60,30 @@ def test_large_offsets_stay_int64():
     big = 3 << 40  # a 3 TiB items buffer offset: no int32 anywhere
     p = plan([big], [B], [[(1, 1)]], items_bytes=big + B)
     assert p.segments[0, 0] == big and p.segments.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    "nbytes,table",
+    [
+        (100, [(0, 2)]),  # 1 block needed, the only extent has 2
+        (B + 1, [(0, 1), (3, 2)]),  # 2 needed, the last extent brings a third
+        (2 * B, [(4, 3)]),  # exactly 2 blocks of bytes, 3 given
+    ],
+    ids=["one-block-item", "multi-extent", "whole-blocks"],
+)
+def test_last_extent_longer_than_the_item_is_refused(nbytes, table):
+    with pytest.raises(PlanError, match="past its end"):
+        plan([0], [nbytes], [table])
+
+
+@pytest.mark.parametrize(
+    "nbytes,table",
+    [(0, []), (1, [(2, 1)]), (B, [(0, 1)]), (B + 1, [(0, 1), (5, 1)]), (3 * B - 1, [(1, 3)])],
+)
+def test_exact_coverage_is_accepted(nbytes, table):
+    assert plan([0], [nbytes], [table]).nbytes == nbytes
+
+
+def test_zero_byte_item_with_a_block_is_refused():
+    with pytest.raises(PlanError, match="lists more blocks"):
+        plan([0], [0], [[(0, 1)]])

@@ -35,6 +35,7 @@ def item_bytes(nbytes: int, seed: int) -> torch.Tensor:
 def worker(arena_dir: str, index: int, inbox, outbox) -> None:
     """Saver or loader: follows block tables sent by the coordinator."""
     with Arena.attach("soak", directory=arena_dir, timeout_s=60, register_cuda="never") as arena:
+        outbox.put(("ready", index, None, None))
         while True:
             msg = inbox.get()
             if msg[0] == "stop":
@@ -69,6 +70,13 @@ def test_shared_arena_soak(arena_dir):
         saving: set[str] = set()
         loading = [0] * LOADERS
         counts = {"saves": 0, "loads": 0, "no_room": 0, "evictions": 0}
+        # The soak's time starts once every worker has imported and attached (a
+        # spawned process takes seconds to import torch on a loaded machine).
+        for _ in procs:
+            try:
+                assert outbox.get(timeout=120)[0] == "ready"
+            except queue.Empty:
+                pytest.fail("a soak worker did not start within 120 s")
         deadline = time.monotonic() + seconds
         next_key = 0
         try:

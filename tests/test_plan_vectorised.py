@@ -1,0 +1,93 @@
+"""The vectorised planner (fragmented steps) against the loop planner (the reference):
+the same launch table for valid steps, the loop's precise error for faulty ones."""
+
+import random
+
+import pytest
+import torch
+
+from ecoffload.kernels import PlanError, plan
+from ecoffload.kernels.plan import plan_copy
+
+B = 4096
+
+
+def step(seed, items=20, max_extents=12, zero_items=True):
+    rng = random.Random(seed)
+    blocks = list(range(2000))
+    rng.shuffle(blocks)
+    offsets, sizes, tables, off = [], [], [], 0
+    for _ in range(items):
+        n = 0 if zero_items and rng.random() < 0.1 else rng.randint(1, max_extents * B)
+        need = -(-n // B)
+        mine, blocks = sorted(blocks[:need]), blocks[need:]
+        table = []
+        for b in mine:  # coalesce neighbours into longer extents, like the allocator
+            if table and table[-1][0] + table[-1][1] == b:
+                table[-1] = (table[-1][0], table[-1][1] + 1)
+            else:
+                table.append((b, 1))
+        rng.shuffle(table)  # stream order need not follow block order
+        offsets.append(off + rng.choice([0, 2, 6]))
+        off = offsets[-1] + n
+        sizes.append(n)
+        tables.append(table)
+    return offsets, sizes, tables, off
+
+
+def both(offsets, sizes, tables, items_bytes, **kw):
+    kw = dict(block_bytes=B, arena_bytes=2000 * B, items_bytes=items_bytes, tile_bytes=2048,
+              num_programs=8, items_base=0x7F0000001000, arena_base=0x7E0000000000, **kw)
+    fast = plan_copy(offsets, sizes, tables, **kw)
+    old = plan.VECTORISE_FROM
+    plan.VECTORISE_FROM = 10**9
+    try:
+        slow = plan_copy(offsets, sizes, tables, **kw)
+    finally:
+        plan.VECTORISE_FROM = old
+    return fast, slow
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_vectorised_plan_equals_the_loop_plan(seed):
+    offsets, sizes, tables, total = step(seed)
+    assert sum(map(len, tables)) >= plan.VECTORISE_FROM
+    fast, slow = both(offsets, sizes, tables, total)
+    assert torch.equal(fast.table, slow.table)
+    assert (fast.vec_bytes, fast.num_tiles, fast.nbytes, fast.num_segments) == (
+        slow.vec_bytes, slow.num_tiles, slow.nbytes, slow.num_segments)  # fmt: skip
+
+
+def corrupt(tables, sizes, kind, rng):
+    tables = [list(t) for t in tables]
+    i = max(range(len(tables)), key=lambda k: len(tables[k]))
+    start, count = tables[i][-1]
+    if kind == "overlap":
+        j = next(k for k in range(len(tables)) if k != i and tables[k])
+        tables[j][0] = (start, 1)
+    elif kind == "too-long":
+        tables[i][-1] = (start, count + 1) if start + count < 2000 else (start - 1, count + 1)
+    elif kind == "too-short":
+        tables[i].pop()
+    elif kind == "outside":
+        tables[i][-1] = (1999, 2)
+    return tables
+
+
+@pytest.mark.parametrize("kind", ["overlap", "too-long", "too-short", "outside"])
+@pytest.mark.parametrize("seed", range(3))
+def test_faulty_steps_get_the_loop_planner_s_error(kind, seed):
+    offsets, sizes, tables, total = step(seed, zero_items=False)
+    bad = corrupt(tables, sizes, kind, random.Random(seed))
+    errors = []
+    for threshold in (0, 10**9):  # vectorised first, then the loop alone
+        old = plan.VECTORISE_FROM
+        plan.VECTORISE_FROM = threshold
+        try:
+            with pytest.raises(PlanError) as caught:
+                plan_copy(offsets, sizes, bad, block_bytes=B, arena_bytes=2000 * B,
+                          items_bytes=total)  # fmt: skip
+            errors.append(str(caught.value))
+        finally:
+            plan.VECTORISE_FROM = old
+    assert errors[0] == errors[1]
