@@ -42,16 +42,20 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
-# The long profiles: >= 100,000 engine operations, a 2-minute multi-process soak.
+# The long profiles: >= 100,000 engine operations, a 2-minute multi-process soak,
+# >= 100,000 shared-catalog operations across SIGKILLed processes.
 soak: $(STAMP)
-	HYPOTHESIS_PROFILE=long ECOFFLOAD_SOAK_SECONDS=120 \
-	  $(PY) -m pytest -q -s -p no:cacheprovider tests/test_engine_stateful.py tests/test_soak.py
+	HYPOTHESIS_PROFILE=long ECOFFLOAD_SOAK_SECONDS=120 ECOFFLOAD_SHARED_SOAK_OPS=100000 \
+	  ECOFFLOAD_SHARED_SOAK_SECONDS=900 \
+	  $(PY) -m pytest -q -s -p no:cacheprovider tests/test_engine_stateful.py tests/test_soak.py \
+	  tests/test_shared_catalog_soak.py
 
 bench: $(STAMP)
 	$(PY) -m ecoffload.profiling.bench
 
 bench-alloc: $(STAMP)
 	$(PY) -m ecoffload.profiling.bench_alloc
+	$(PY) -m ecoffload.profiling.bench_alloc --shared
 
 gpu-check:
 	bash profiling/gpu_check.sh gpu-check-out

@@ -153,6 +153,8 @@ class Arena:
         header = Header(*_HEADER.unpack_from(mm))
         self.block_bytes, self.num_blocks = header.block_bytes, header.num_blocks
         self.nonce = header.nonce
+        self.meta_offset = HEADER_BYTES  # metadata region: [meta_offset, data offset)
+        self.meta_bytes = header.data_offset - HEADER_BYTES
         self._creator = (header.creator_pid, header.creator_start)
         self.layout_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + header.key_len]).decode()
         self.nbytes = header.block_bytes * header.num_blocks
@@ -177,6 +179,7 @@ class Arena:
         register_cuda: RegisterMode = "auto",
         populate: PopulateMode = "eager",
         populate_threads: int | None = None,
+        meta_bytes: int = 0,
     ) -> Arena:
         """Create a new arena file; fails if one exists at that path.
 
@@ -190,6 +193,10 @@ class Arena:
                 first) or "lazy" (never fault; pages fault on first touch).
             populate_threads: threads that pre-fault pages (default: 1 below
                 4 GiB, else up to 8).
+            meta_bytes: a zeroed metadata region of this many bytes (rounded up to
+                pages) between the header and the data area, for a shared
+                catalog (``shared_catalog.meta_bytes``); the header's data offset
+                records it, so attach finds it.
         """
         check_arena_name(name)
         _check_populate(populate)
@@ -207,8 +214,10 @@ class Arena:
             raise ArenaError(f"num_blocks must be positive, got {num_blocks}")
         if processes < 0:
             raise ArenaError(f"processes must be >= 0, got {processes}")
+        if meta_bytes < 0:
+            raise ArenaError(f"meta_bytes must be >= 0, got {meta_bytes}")
         path = os.path.join(directory, name)
-        data_offset = HEADER_BYTES
+        data_offset = HEADER_BYTES + -(-meta_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         total = data_offset + block_bytes * num_blocks
         _check_free_space(directory, total)
         try:
@@ -310,7 +319,7 @@ class Arena:
         its name is removed (only if it still names that very file) and a new
         arena is created.
         """
-        create_only = ("processes", "populate_threads")
+        create_only = ("processes", "populate_threads", "meta_bytes")
         attach_only = ("timeout_s",)  # populate goes to both
         for _ in range(3):
             try:
@@ -445,6 +454,10 @@ class Arena:
             self.device = r.alias
             return r.alias
         return self._registration.device_alias(device)
+
+    def fileno(self) -> int:
+        """The arena file's descriptor (the shared catalog opens its own description)."""
+        return self._fd
 
     def attached_processes(self) -> int:
         """How many processes have mapped the arena so far (creator included)."""

@@ -15,6 +15,19 @@ Saved items become visible (``ready``) only after their copy has completed:
 ``poll`` commits finished saves and unpins finished loads; ``load`` and
 ``flush`` poll first. A partially written item is never served.
 
+Shared mode (``shared=True``): the catalog lives in the arena file
+(:class:`~ecoffload.engine.shared_catalog.SharedCatalog`), the arena is created
+or attached by name, and every OffloadCache opened on the same name, in any
+process, sees the same items::
+
+    a = OffloadCache.create("host-cache", arena_bytes="8GiB", shared=True)   # process 1
+    b = OffloadCache.create("host-cache", arena_bytes="8GiB", shared=True)   # process 2
+    a.save({"img-1": t1}); a.flush()
+    b.load(["img-1"])                                                        # a hit
+
+The name stays while the creating cache is open; the file goes when the last
+process unmaps it.
+
 Integrity mode (``integrity=True``, off by default): when a save completes,
 the CRC-32 of the item's bytes in the arena is recorded; ``load`` waits for
 its copy, recomputes the CRC of every loaded tensor (on the host) and drops,
@@ -37,6 +50,7 @@ from ..profiling.nvtx import nvtx_range
 from .allocator import BlockAllocator
 from .arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
 from .catalog import Catalog, CatalogStats
+from .shared_catalog import SharedCatalog, meta_bytes
 from .sizes import parse_bytes
 from .transfer import BlockMover, Completion, split_completed
 
@@ -69,14 +83,21 @@ class OffloadCache:
     """An arena, its catalog and a mover, in one process."""
 
     def __init__(
-        self, arena: Arena, device: torch.device | str | None = None, *, integrity: bool = False
+        self,
+        arena: Arena,
+        device: torch.device | str | None = None,
+        *,
+        integrity: bool = False,
+        catalog: Catalog | SharedCatalog | None = None,
     ) -> None:
         self.arena = arena
         self.integrity = integrity
         self.integrity_failures = 0
-        self.catalog = Catalog(
-            BlockAllocator(arena.num_blocks, arena.block_bytes, arena.ready_blocks)
-        )
+        if catalog is None:
+            catalog = Catalog(
+                BlockAllocator(arena.num_blocks, arena.block_bytes, arena.ready_blocks)
+            )
+        self.catalog = catalog
         self.mover = BlockMover(arena, device)
         self.device = self.mover.device
         self._pending_saves: list[tuple[Completion, list[str]]] = []
@@ -95,13 +116,45 @@ class OffloadCache:
         register_cuda: RegisterMode = "auto",
         integrity: bool = False,
         populate: PopulateMode = "eager",
+        shared: bool = False,
+        max_items: int | None = None,
     ) -> OffloadCache:
         """A new cache over a new arena of (at most) ``arena_bytes`` bytes.
 
         ``populate="background"`` returns at once; saves use the blocks populated
-        so far (see :class:`~ecoffload.engine.arena.Arena`)."""
+        so far (see :class:`~ecoffload.engine.arena.Arena`).
+
+        ``shared=True``: create the arena, or attach to the one another cache
+        created under this name (same sizes and layout key), with the catalog in
+        the arena file (``max_items``: its item table, default one per block).
+        The shared catalog hands out every block, so it needs ``populate``
+        "eager" or "lazy" (it does not follow a background ready prefix yet).
+        """
         block = parse_bytes(block_bytes, name="block_bytes")
         total = parse_bytes(arena_bytes, name="arena_bytes")
+        if shared:
+            if populate == "background":
+                raise ValueError(
+                    "shared=True needs populate='eager' or 'lazy': the shared catalog does "
+                    "not follow a background populate's ready prefix yet"
+                )
+            num_blocks = max(1, total // block)
+            arena = Arena.create_or_attach(
+                name,
+                block_bytes=block,
+                num_blocks=num_blocks,
+                layout_key=layout_key,
+                directory=directory,
+                register_cuda=register_cuda,
+                populate=populate,
+                meta_bytes=meta_bytes(num_blocks, block, max_items),
+            )
+            try:
+                catalog = SharedCatalog.for_arena(arena, max_items=max_items)
+            except BaseException:
+                arena.close()
+                raise
+            return cls(arena, device, integrity=integrity, catalog=catalog)
         arena = Arena.create(
             name,
             block_bytes=block,
@@ -207,14 +260,15 @@ class OffloadCache:
         self.poll()
 
     def _commit(self, key: str) -> None:
-        entry = self.catalog.commit(key)
-        if self.integrity:
-            crc, host, block, pos = 0, self.arena.host, self.arena.block_bytes, 0
+        crc = None
+        if self.integrity:  # recorded with the commit: a READY item always has its CRC
+            entry, host, bb = self.catalog.entry(key), self.arena.host, self.arena.block_bytes
+            crc, left = 0, entry.nbytes
             for start, count in entry.extents:  # the item's bytes only, not its last padding
-                take = min(count * block, entry.nbytes - pos)
-                crc = zlib.crc32(host[start * block : start * block + take].numpy(), crc)
-                pos += take
-            entry.checksum = crc
+                take = min(count * bb, left)
+                crc = zlib.crc32(host[start * bb : start * bb + take].numpy(), crc)
+                left -= take
+        self.catalog.commit(key, crc)
 
     def _verified(self, key: str, tensor: torch.Tensor) -> bool:
         data = tensor.reshape(-1).view(torch.uint8).cpu().numpy()
@@ -234,6 +288,8 @@ class OffloadCache:
         """Finish copies in flight, then close the arena (idempotent)."""
         if not self.arena.closed:
             self.flush()
+            if isinstance(self.catalog, SharedCatalog):
+                self.catalog.close()
             self.arena.close()
 
     def __enter__(self) -> OffloadCache:

@@ -141,9 +141,14 @@ class Catalog:
         self._entries[key] = entry
         return entry
 
-    def commit(self, key: str) -> Entry:
-        """WRITING -> READY: the bytes are complete; the item becomes visible."""
+    def commit(self, key: str, checksum: int | None = None) -> Entry:
+        """WRITING -> READY: the bytes are complete; the item becomes visible.
+
+        ``checksum`` (a CRC-32 of the bytes, integrity mode) is recorded with it.
+        """
         entry = self._expect(key, ItemState.WRITING, "commit")
+        if checksum is not None:
+            entry.checksum = checksum
         entry.state = ItemState.READY
         self._lru[key] = None
         self._evictable_blocks += self._blocks(entry)
@@ -183,6 +188,26 @@ class Catalog:
         entry.pins -= 1
         if entry.pins == 0:
             self._evictable_blocks += self._blocks(entry)
+
+    def pin_many(self, keys: list[str]) -> list[Entry]:
+        """:meth:`pin` every key: all of them, or none (and the error)."""
+        entries = [self._expect(key, ItemState.READY, "pin") for key in keys]
+        for entry in entries:
+            self.pin(entry.key)
+        return entries
+
+    def unpin_many(self, keys: list[str]) -> None:
+        """:meth:`unpin` every key: all of them, or none (and the error)."""
+        need: dict[str, int] = {}
+        for key in keys:
+            entry = self._expect(key, ItemState.READY, "unpin")
+            need[key] = need.get(key, 0) + 1
+            if need[key] > entry.pins:
+                raise ItemStateError(
+                    f"unpin({key!r}): the item is not pinned; every unpin must match one pin"
+                )
+        for key in keys:
+            self.unpin(key)
 
     def evict(self, key: str) -> None:
         """Drop a READY, unpinned item now."""

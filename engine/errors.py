@@ -62,6 +62,10 @@ class ItemTooLargeError(CatalogError, ValueError):
     """An item needs more blocks than the whole arena has."""
 
 
+class CatalogCapacityError(CatalogError, ValueError):
+    """A fixed-size table of the shared catalog (key length, dims, pin records) is too small."""
+
+
 class DuplicateItemError(CatalogError, KeyError):
     """`reserve` was asked for a key that the catalog already holds."""
 

@@ -112,3 +112,34 @@ def test_a_batch_never_evicts_its_own_already_cached_items(arena_dir):
         assert result.already_cached == ["k0"] and "k0" in c.catalog
         assert result.saved == ["k1"] and c.catalog.state("big") is None  # big was evicted
         assert c.catalog.entry("k0").pins == 0
+
+
+def _load_in_another_process(arena_dir, keys, out):
+    with OffloadCache.create("s", arena_bytes=16 * B, block_bytes=B, directory=arena_dir,
+                             shared=True, integrity=True) as c:  # fmt: skip
+        got = c.load(keys)
+        out.put({k: t.float().sum().item() for k, t in got.items()})
+        out.put(c.stats().hits)
+
+
+def test_shared_caches_in_two_processes_see_the_same_items(arena_dir):
+    import multiprocessing as mp
+
+    data = items(3)
+    with OffloadCache.create("s", arena_bytes=16 * B, block_bytes=B, directory=arena_dir,
+                             shared=True, integrity=True) as mine:  # fmt: skip
+        assert mine.catalog.__class__.__name__ == "SharedCatalog"
+        mine.save(data)
+        mine.flush()
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        p = ctx.Process(target=_load_in_another_process,
+                        args=(arena_dir, ["img-0", "img-2", "nope"], out))  # fmt: skip
+        p.start()
+        sums, hits = out.get(timeout=120), out.get(timeout=120)
+        p.join(60)
+        assert p.exitcode == 0
+        assert sums == {k: data[k].float().sum().item() for k in ("img-0", "img-2")}
+        assert hits == 2 and mine.stats().hits == 2  # host-wide counters
+        assert mine.integrity_failures == 0
+        mine.catalog.check()

@@ -1,5 +1,11 @@
+"""The catalog protocol, run against both implementations: the in-process
+:class:`Catalog` and the :class:`SharedCatalog` in a file's metadata region."""
+
+import os
+
 import pytest
 
+from ecoffload.engine import shared_catalog
 from ecoffload.engine.allocator import BlockAllocator
 from ecoffload.engine.catalog import Catalog, ItemState
 from ecoffload.engine.errors import (
@@ -13,22 +19,47 @@ from ecoffload.engine.errors import (
 B = 4096
 
 
-def make(blocks=10):
-    return Catalog(BlockAllocator(blocks, B))
+def open_shared(path, blocks, **layout) -> shared_catalog.SharedCatalog:
+    """A shared catalog in a fresh file of its own (metadata region only)."""
+    size = shared_catalog.meta_bytes(blocks, B, **layout)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return shared_catalog.SharedCatalog(fd, 0, size, num_blocks=blocks, block_bytes=B,
+                                            path=str(path), **layout)  # fmt: skip
+    finally:
+        os.close(fd)
 
 
-def test_two_phase_commit_hides_writing_items():
+@pytest.fixture(params=["local", "shared"])
+def make(request, tmp_path):
+    opened = []
+
+    def make_(blocks=10):
+        if request.param == "local":
+            return Catalog(BlockAllocator(blocks, B))
+        opened.append(open_shared(tmp_path / f"catalog-{len(opened)}", blocks))
+        return opened[-1]
+
+    yield make_
+    for c in opened:
+        c.check()
+        c.close()
+
+
+def test_two_phase_commit_hides_writing_items(make):
     c = make()
     e = c.reserve("a", 3 * B, "bfloat16", (3, 2048))
     assert e.state is ItemState.WRITING and sum(n for _, n in e.extents) == 3
     assert "a" not in c and c.lookup("a") is None
     c.commit("a")
-    assert "a" in c and c.lookup("a") is e
+    assert "a" in c and c.lookup("a").extents == e.extents
+    e = c.entry("a")
     assert (e.dtype, e.shape) == ("bfloat16", (3, 2048))
     c.check()
 
 
-def test_abort_frees_blocks():
+def test_abort_frees_blocks(make):
     c = make()
     c.reserve("a", 10 * B)
     c.abort("a")
@@ -36,7 +67,7 @@ def test_abort_frees_blocks():
     c.check()
 
 
-def test_script_of_steps_with_lru_eviction():
+def test_script_of_steps_with_lru_eviction(make):
     # Each step: (operation, key, expected outcome); 4 blocks of room.
     c = make(4)
     for key in "abcd":
@@ -51,7 +82,7 @@ def test_script_of_steps_with_lru_eviction():
     c.check()
 
 
-def test_pinned_and_writing_items_are_never_evicted():
+def test_pinned_and_writing_items_are_never_evicted(make):
     c = make(4)
     c.reserve("w", B)  # writing
     c.reserve("p", B)
@@ -67,7 +98,7 @@ def test_pinned_and_writing_items_are_never_evicted():
     c.check()
 
 
-def test_pins_nest():
+def test_pins_nest(make):
     c = make()
     c.reserve("a", B)
     c.commit("a")
@@ -81,7 +112,7 @@ def test_pins_nest():
     assert c.state("a") is None
 
 
-def test_misses_and_hits_are_counted():
+def test_misses_and_hits_are_counted(make):
     c = make()
     assert c.lookup("nope") is None
     c.reserve("a", B)
@@ -119,7 +150,7 @@ def test_misses_and_hits_are_counted():
         "evict-writing",
     ],
 )  # fmt: skip
-def test_misuse_raises_specific_errors_and_changes_nothing(op, exc, match):
+def test_misuse_raises_specific_errors_and_changes_nothing(make, op, exc, match):
     c = make()
     c.reserve("r", B)
     c.commit("r")
@@ -128,4 +159,23 @@ def test_misuse_raises_specific_errors_and_changes_nothing(op, exc, match):
     with pytest.raises(exc, match=match):
         op(c)
     assert [(e.key, e.state, e.pins, list(e.extents)) for e in c.entries()] == before
+    c.check()
+
+
+def test_pin_many_and_unpin_many_are_all_or_nothing(make):
+    c = make()
+    for key in "abc":
+        c.reserve(key, B)
+        c.commit(key)
+    c.reserve("w", B)
+    with pytest.raises(ItemStateError, match="found 'writing'"):
+        c.pin_many(["a", "b", "w"])
+    assert [c.entry(k).pins for k in "abc"] == [0, 0, 0]
+    entries = c.pin_many(["a", "b", "b"])
+    assert [e.key for e in entries] == ["a", "b", "b"] and c.entry("b").pins == 2
+    with pytest.raises(ItemStateError, match="not pinned"):
+        c.unpin_many(["a", "a"])  # a is pinned once only
+    assert (c.entry("a").pins, c.entry("b").pins) == (1, 2)
+    c.unpin_many(["b", "a", "b"])
+    assert [c.entry(k).pins for k in "abc"] == [0, 0, 0]
     c.check()

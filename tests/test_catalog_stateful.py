@@ -2,13 +2,18 @@
 
 After every step: no block owned twice, owned + free = all blocks, a pinned or
 writing item is never evicted, a non-ready item is never visible, and the
-catalog agrees with the model on every key's state and pin count.
+catalog agrees with the model on every key's state and pin count. The same
+machine drives the shared catalog (in a temporary file).
 """
+
+import os
+import tempfile
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from ecoffload.engine import shared_catalog
 from ecoffload.engine.allocator import BlockAllocator
 from ecoffload.engine.catalog import Catalog, ItemState
 from ecoffload.engine.errors import CatalogError
@@ -21,9 +26,12 @@ KEYS = st.sampled_from([f"k{i}" for i in range(12)])
 class CatalogMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.catalog = Catalog(BlockAllocator(NUM_BLOCKS, B))
+        self.catalog = self.make_catalog()
         self.model: dict[str, dict] = {}  # key -> {"state", "pins", "blocks"}
         self.protected: set[str] = set()  # pinned or writing right now
+
+    def make_catalog(self):
+        return Catalog(BlockAllocator(NUM_BLOCKS, B))
 
     def _blocks(self, nbytes):
         return -(-nbytes // B)
@@ -124,5 +132,24 @@ class CatalogMachine(RuleBasedStateMachine):
         assert len(self.catalog) == len(self.model)
 
 
+class SharedCatalogMachine(CatalogMachine):
+    def make_catalog(self):
+        self._dir = tempfile.TemporaryDirectory()
+        path = os.path.join(self._dir.name, "catalog")
+        size = shared_catalog.meta_bytes(NUM_BLOCKS, B)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            return shared_catalog.SharedCatalog(fd, 0, size, num_blocks=NUM_BLOCKS, block_bytes=B)
+        finally:
+            os.close(fd)
+
+    def teardown(self):
+        self.catalog.close()
+        self._dir.cleanup()
+
+
 CatalogMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestCatalogStateful = CatalogMachine.TestCase
+SharedCatalogMachine.TestCase.settings = CatalogMachine.TestCase.settings
+TestSharedCatalogStateful = SharedCatalogMachine.TestCase

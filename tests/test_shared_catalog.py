@@ -1,0 +1,277 @@
+"""What only the shared catalog does: one catalog for several objects and
+processes over one file, its lock, its recovery after a holder died inside an
+update, and the release of dead processes' reservations and pins.
+
+The protocol itself (two-phase commit, LRU, pins, errors) is tested on both
+implementations in test_catalog.py and test_catalog_stateful.py.
+"""
+
+import mmap
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import zlib
+
+import pytest
+from test_catalog import B, open_shared
+
+from ecoffload.engine import shared_catalog
+from ecoffload.engine.arena import Arena
+from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogCapacityError, ItemStateError
+from ecoffload.engine.shared_catalog import SharedCatalog
+
+
+def reopen(path, **layout) -> SharedCatalog:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return SharedCatalog(fd, 0, os.fstat(fd).st_size, **layout)
+    finally:
+        os.close(fd)
+
+
+def test_two_objects_share_items_counters_and_lru(tmp_path):
+    a = open_shared(tmp_path / "c", 8)
+    b = reopen(tmp_path / "c")
+    a.reserve("x", 3 * B, "float16", (3, 1024))
+    assert b.state("x") is ItemState.WRITING and b.lookup("x") is None
+    b.commit("x", checksum=1234)  # another object commits what `a` reserved
+    got = a.lookup("x")
+    assert (got.checksum, got.dtype, got.shape, got.blocks) == (1234, "float16", (3, 1024), 3)
+    for k in "yz":
+        b.reserve(k, 2 * B)
+        b.commit(k)
+    assert a.lookup("x") is not None  # x is now the most recently used, in b too
+    b.reserve("w", 4 * B)  # evicts y (oldest), then z
+    assert {k: a.state(k) for k in "xyz"} == {"x": ItemState.READY, "y": None, "z": None}
+    s = a.stats()
+    assert (s.hits, s.evictions, s.items_resident) == (2, 2, 1)
+    assert (a.local.hits, b.local.hits) == (2, 0)
+    a.check()
+    a.close()
+    b.close()
+
+
+def test_two_objects_in_one_process_exclude_each_other(tmp_path):
+    a = open_shared(tmp_path / "c", 8)
+    b = reopen(tmp_path / "c")
+    a.reserve("x", B)
+    a._lock()  # held by `a`, as inside an update
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (b.commit("x"), done.set()))
+    t.start()
+    assert not done.wait(0.3), "b entered while a held the lock"
+    a._unlock()
+    assert done.wait(10)
+    t.join()
+    assert a.state("x") is ItemState.READY
+    a.close()
+    b.close()
+
+
+def test_layout_is_recorded_and_checked(tmp_path):
+    open_shared(tmp_path / "c", 8, max_items=5, max_key_bytes=16).close()
+    c = reopen(tmp_path / "c")
+    assert (c.layout.num_blocks, c.layout.max_items, c.layout.max_key_bytes) == (8, 5, 16)
+    with pytest.raises(CatalogCapacityError, match="at most 16"):
+        c.reserve("k" * 17, B)
+    c.close()
+    with pytest.raises(ArenaLayoutMismatch, match="catalog num_blocks"):
+        reopen(tmp_path / "c", num_blocks=9)
+    fd = _zero_file(tmp_path)
+    with pytest.raises(ArenaLayoutMismatch, match="catalog magic"):
+        SharedCatalog(fd, 0, 4096)  # never formatted, and no layout to format it with
+    os.close(fd)
+
+
+def _zero_file(tmp_path) -> int:
+    fd = os.open(tmp_path / "zero", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 4096)
+    return fd
+
+
+def test_item_slots_run_out_like_blocks(tmp_path):
+    c = open_shared(tmp_path / "c", 8, max_items=2)
+    for k in "ab":
+        c.reserve(k, B)
+    assert c.reserve("c", B) is None  # two WRITING items fill every slot
+    c.commit("a")
+    assert c.reserve("c", B) is not None and c.state("a") is None  # a evicted for its slot
+    c.check()
+    c.close()
+
+
+def test_in_arena_metadata_region(arena_dir):
+    meta = shared_catalog.meta_bytes(16, B, max_items=8)
+    with Arena.create("cat", block_bytes=B, num_blocks=16, directory=arena_dir,
+                      meta_bytes=meta, register_cuda="never") as arena:  # fmt: skip
+        assert arena.meta_bytes == meta and arena.host.numel() == 16 * B
+        with Arena.attach("cat", directory=arena_dir, register_cuda="never") as other:
+            assert other.meta_bytes == meta
+            c1 = SharedCatalog.for_arena(arena, max_items=8)
+            c2 = SharedCatalog.for_arena(other)
+            e = c1.reserve("img", 5 * B)
+            arena.host[e.extents[0].start * B : (e.extents[0].start + 5) * B] = 7
+            c2.commit("img", generation=e.generation)
+            got = c2.lookup("img")
+            start = got.extents[0].start
+            assert (other.host[start * B : (start + 5) * B] == 7).all()
+            c1.close()
+            c2.close()
+
+
+class _Died(BaseException):
+    """Stands for a SIGKILL at a fault point (the process stops mid-update)."""
+
+
+FAULT_POINTS = [
+    "reserve:allocated", "reserve:written", "reserve:published", "commit:written",
+    "commit:published", "drop:unpublished", "pin:record", "unpin:record", "recover:slots",
+    "recover:done",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("point", FAULT_POINTS)
+def test_stopped_inside_an_update_then_recovered(tmp_path, monkeypatch, point):
+    c = open_shared(tmp_path / "c", 8)
+    for k in "ab":
+        c.reserve(k, 2 * B)
+        c.commit(k)
+    c.pin("b")
+
+    def hook(name):
+        if name == point:
+            raise _Died(name)
+
+    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    with pytest.raises(_Died):
+        c.reserve("c", 5 * B)  # evicts a
+        c.commit("c")
+        c.pin("c")
+        c.unpin("c")
+        c.evict("c")
+        c.recover()
+    monkeypatch.setattr(shared_catalog, "fault_hook", None)
+    with pytest.raises(AssertionError, match="dirty"):
+        c.check()
+    other = reopen(tmp_path / "c")  # the next locker rebuilds
+    assert other.recoveries >= 2 and c.state("b") is ItemState.READY and c.entry("b").pins == 1
+    other.check()
+    assert c.lookup("a") is None or c.state("c") is None  # never both: 4 + 5 > 8 blocks
+    assert c.reserve("d", B) is not None
+    other.check()
+    c.close()
+    other.close()
+
+
+def _hold_then_die(path, ready):
+    c = reopen(path)
+    c.reserve("w", 4 * B)  # WRITING, never committed
+    c.pin("r")
+    c.pin("r")
+    ready.set()
+    time.sleep(60)
+
+
+def test_dead_process_reservations_and_pins_are_released(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    c.reserve("r", 4 * B)
+    c.commit("r")
+    c.pin("r")
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_hold_then_die, args=(str(tmp_path / "c"), ready))
+    p.start()
+    assert ready.wait(60)
+    assert c.entry("r").pins == 3 and c.state("w") is ItemState.WRITING
+    assert c.reserve("x", B) is None  # everything pinned or being written
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    time.sleep(0.06)  # past the reaping rate limit
+    assert c.reserve("x", 4 * B) is not None  # space needed: the dead one's blocks come back
+    assert c.state("w") is None and c.entry("r").pins == 1  # our own pin stays
+    c.unpin("r")
+    with pytest.raises(ItemStateError, match="not pinned"):
+        c.unpin("r")
+    c.check()
+    c.close()
+
+
+def test_a_fork_gets_a_lock_of_its_own(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    c.reserve("x", B)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            c.commit("x")
+            os.write(w, b"1" if c._pid == os.getpid() else b"0")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1" and c.state("x") is ItemState.READY
+    c.check()
+    c.close()
+
+
+def test_region_must_be_page_aligned_and_large_enough(tmp_path):
+    fd = _zero_file(tmp_path)
+    with pytest.raises(Exception, match="page aligned"):
+        SharedCatalog(fd, 100, 4096, num_blocks=8, block_bytes=B)
+    with pytest.raises(Exception, match="needs a region"):
+        SharedCatalog(fd, 0, mmap.PAGESIZE, num_blocks=100_000, block_bytes=B)
+    os.close(fd)
+
+
+def _write_and_commit(path, key, generation, extents, payload, out):
+    """The worker: writes the bytes where the scheduler reserved them, then commits."""
+    c = reopen(path)
+    fd = os.open(path, os.O_RDWR)
+    data = mmap.mmap(fd, 8 * B, mmap.MAP_SHARED, offset=shared_catalog.meta_bytes(8, B))
+    at = 0
+    for start, count in extents:
+        chunk = payload[at : at + count * B]
+        data[start * B : start * B + len(chunk)] = chunk
+        at += count * B
+    c.commit(key, zlib.crc32(payload), generation=generation)
+    out.put(os.getpid())
+
+
+def _look_up(path, key, out):
+    c = reopen(path)
+    fd = os.open(path, os.O_RDWR)
+    data = mmap.mmap(fd, 8 * B, mmap.MAP_SHARED, offset=shared_catalog.meta_bytes(8, B))
+    e = c.pin(key)
+    got = b"".join(data[s * B : (s + n) * B] for s, n in e.extents)[: e.nbytes]
+    c.unpin(key)
+    out.put((zlib.crc32(got) == e.checksum, c.stats().hits))
+
+
+def test_reserve_write_commit_and_lookup_in_three_processes(tmp_path):
+    path = str(tmp_path / "c")
+    meta = shared_catalog.meta_bytes(8, B)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, meta + 8 * B)
+    scheduler = SharedCatalog(fd, 0, meta, num_blocks=8, block_bytes=B)
+    os.close(fd)
+    scheduler.reserve("other", 3 * B)  # so the item's blocks do not start at 0
+    e = scheduler.reserve("img", 2 * B + 100, "bfloat16", (2, 2098))
+    payload = bytes(range(256)) * ((2 * B + 100) // 256) + bytes(range((2 * B + 100) % 256))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    worker = ctx.Process(target=_write_and_commit,
+                         args=(path, "img", e.generation, e.extents, payload, out))  # fmt: skip
+    worker.start()
+    out.get(timeout=60)
+    worker.join(30)
+    assert scheduler.state("img") is ItemState.READY  # published without the scheduler
+    consumer = ctx.Process(target=_look_up, args=(path, "img", out))
+    consumer.start()
+    assert out.get(timeout=60) == (True, 0)  # pin is not a lookup: no hit counted
+    consumer.join(30)
+    assert scheduler.entry("img").checksum == zlib.crc32(payload)
+    scheduler.abort("other")
+    scheduler.check()
+    scheduler.close()
