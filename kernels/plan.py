@@ -169,7 +169,7 @@ def _leave_long_segments_to_dma(
 def _segments_loop(
     item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
     items_base, arena_base,
-) -> tuple[array, array, int, int, int]:  # fmt: skip
+) -> tuple[array, list[int], int, int, int]:  # fmt: skip
     """(segment rows, first tiles, tiles, access width, bytes): one item, one extent
     at a time; raises PlanError naming the first fault."""
     segments: list[tuple[int, int, int]] = []  # (item_offset, arena_offset, nbytes)
@@ -216,16 +216,16 @@ def _segments_loop(
             )
         total += nbytes
     vec = align_bits & -align_bits
-    flat = array("q")
-    first_tiles = array("q")
-    first_tile = 0
+    rows: list[int] = []
+    first_tiles: list[int] = []
+    tile = 0
     for src, dst, take in segments:
-        flat.extend((src, dst, take, first_tile))
-        first_tiles.append(first_tile)
+        rows += (src, dst, take, tile)
+        first_tiles.append(tile)
         tail = take % vec
-        first_tile += -(-(take - tail) // tile_bytes) + (tail != 0)
+        tile += (take - tail + tile_bytes - 1) // tile_bytes + (tail != 0)
     _check_disjoint(owned)
-    return flat, first_tiles, first_tile, vec, total
+    return array("q", rows), first_tiles, tile, vec, total
 
 
 
@@ -275,7 +275,7 @@ def _segments_vectorised(
             int(tiles.sum()), vec, int(nbytes.sum()))  # fmt: skip
 
 
-def _split_tiles(first_tiles: array, num_tiles: int, programs: int) -> array:
+def _split_tiles(first_tiles: Sequence[int], num_tiles: int, programs: int) -> array:
     """Program rows: ``num_tiles`` tiles in ``programs`` contiguous ranges of equal length
     (+-1), each with the segment its first tile falls in (every segment has a tile)."""
     rows = array("q")
