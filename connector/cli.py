@@ -12,6 +12,15 @@ and load AVX-512 kernels), then runs vLLM's CLI ``main`` unchanged::
     ecoffload-vllm serve <model> --ec-transfer-config '{...}'
     python -m ecoffload.connector.cli serve <model> ...      # the same
 
+It also makes Ctrl-C under load finish (vLLM 0.32 bug, independent of any
+connector): with the default ``--shutdown-timeout 0`` the API server's process
+manager SIGTERMs the engine core and SIGKILLs it at once (0 s grace), before
+the engine can send the abort outputs of its in-flight requests; then
+``AsyncLLM.shutdown`` cancels the output handler, so those requests wait
+forever and uvicorn's graceful shutdown waits for their connections. The
+launcher fails every request still unfinished once the engine client is shut
+down (``EngineDeadError``, as when the engine dies), so the server exits.
+
 The finder is appended after the path finders, so where a distribution named
 ``vllm`` exists (GPU builds) it is found first and nothing changes. vLLM's
 child processes (engine core, workers) are started by ``multiprocessing``
@@ -21,9 +30,16 @@ and never run the CLI's lookup; spawned children re-import this module as
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import logging
 import sys
+import weakref
 from collections.abc import Iterator
+from typing import Any
+
+# Under "vllm" so the message shows in vLLM's log format, beside its own shutdown lines.
+log = logging.getLogger("vllm.ecoffload_cli")
 
 # Distributions that install the ``vllm`` import package under another name, and
 # the local version label vLLM's platform detection expects of each.
@@ -81,9 +97,52 @@ def install_vllm_alias() -> None:
         sys.meta_path.append(_VllmAliasFinder())
 
 
+def fail_pending_requests_on_shutdown() -> None:
+    """Make ``AsyncLLM.shutdown`` fail the requests it leaves unfinished (idempotent).
+
+    Runs after vLLM's own shutdown, on the event loop of the output handler
+    (``shutdown`` runs in an executor thread when the API server stops).
+    """
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if getattr(AsyncLLM.shutdown, "_ecoffload_fails_pending", False):
+        return
+    original = AsyncLLM.shutdown
+
+    @functools.wraps(original)
+    def shutdown(self: Any, timeout: float | None = None) -> None:
+        try:
+            original(self, timeout=timeout)
+        finally:
+            handler = getattr(self, "output_handler", None)
+            processor = getattr(self, "output_processor", None)
+            if handler is not None and processor is not None and handler not in _failed:
+                _failed.add(handler)  # shutdown runs again from __del__: fail once
+                from vllm.utils.async_utils import run_in_loop
+
+                run_in_loop(handler.get_loop(), _fail_pending, processor)
+
+    shutdown._ecoffload_fails_pending = True  # type: ignore[attr-defined]
+    AsyncLLM.shutdown = shutdown
+
+
+_failed: weakref.WeakSet = weakref.WeakSet()  # output handlers whose requests were failed
+
+
+def _fail_pending(processor: Any) -> None:
+    pending = processor.get_num_unfinished_requests()
+    if not pending:
+        return
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    log.warning("ecoffload-vllm: failing %d request(s) the engine left unfinished", pending)
+    processor.propagate_error(EngineDeadError())
+
+
 def main() -> None:
     """Run vLLM's command line (``serve``, ``chat``, ``bench``...) with the alias installed."""
     install_vllm_alias()
+    fail_pending_requests_on_shutdown()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"

@@ -1,5 +1,7 @@
 """The ``ecoffload-vllm`` launcher: vLLM's CLI on a build whose distribution is not ``vllm``."""
 
+import asyncio
+import functools
 import importlib.metadata
 import sys
 
@@ -68,3 +70,53 @@ def test_console_script_is_declared():
         if e.name == "ecoffload-vllm"
     ]  # fmt: skip
     assert entry.value == "ecoffload.connector.cli:main"
+
+
+@pytest.fixture
+def patched_shutdown():
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    original = AsyncLLM.shutdown
+    cli.fail_pending_requests_on_shutdown()
+    cli.fail_pending_requests_on_shutdown()  # idempotent: wraps once
+    yield AsyncLLM
+    AsyncLLM.shutdown = original
+
+
+class Processor:
+    """The two methods of vLLM's OutputProcessor the launcher uses."""
+
+    def __init__(self, pending, loop):
+        self.pending, self.loop, self.errors = pending, loop, []
+
+    def get_num_unfinished_requests(self):
+        return self.pending
+
+    def propagate_error(self, error):
+        assert asyncio.get_running_loop() is self.loop  # queues are not thread-safe
+        self.errors.append(error)
+
+
+async def shut_down_as_the_api_server_does(async_llm_cls, pending):
+    loop = asyncio.get_running_loop()
+    engine = async_llm_cls.__new__(async_llm_cls)  # no engine core: only the shutdown path
+    engine.output_handler = loop.create_task(asyncio.sleep(3600))
+    engine.output_processor = Processor(pending, loop)
+    await loop.run_in_executor(None, functools.partial(engine.shutdown, timeout=0))
+    for _ in range(100):
+        if engine.output_handler.done() and (engine.output_processor.errors or not pending):
+            break
+        await asyncio.sleep(0.01)
+    assert engine.output_handler.cancelled()
+    return engine.output_processor.errors
+
+
+def test_shutdown_fails_the_requests_the_engine_left_unfinished(patched_shutdown):
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    errors = asyncio.run(shut_down_as_the_api_server_does(patched_shutdown, pending=2))
+    assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)
+
+
+def test_shutdown_without_unfinished_requests_fails_nothing(patched_shutdown):
+    assert asyncio.run(shut_down_as_the_api_server_does(patched_shutdown, pending=0)) == []
