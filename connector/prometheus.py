@@ -47,9 +47,9 @@ DESCRIPTIONS = {
 GAUGES = {
     "items_resident": "Items ready in the ecoffload arena.",
     "bytes_resident": "Bytes of the items ready in the ecoffload arena.",
-    "free_blocks": "Free blocks of the ecoffload arena.",
+    "used_blocks": "Blocks of the ecoffload arena in use (ready, being written or reserved).",
 }
-USAGE = "arena_usage_perc"  # derived from free_blocks and the configured arena size
+USAGE = "arena_usage_perc"  # derived from used_blocks and the configured arena size
 
 
 def arena_blocks(vllm_config: Any) -> int | None:
@@ -106,9 +106,8 @@ class ECOffloadPromMetrics(ECConnectorPromMetrics):
                     self.counters[name][engine_idx].inc(value)
             elif name in self.gauges:
                 self.gauges[name][engine_idx].set(value)
-                if name == "free_blocks" and USAGE in self.gauges:
-                    used = max(0, self.num_blocks - value)
-                    self.gauges[USAGE][engine_idx].set(used / self.num_blocks)
+                if name == "used_blocks" and USAGE in self.gauges:
+                    self.gauges[USAGE][engine_idx].set(value / self.num_blocks)
 
 
 def _is_number(value: Any) -> bool:

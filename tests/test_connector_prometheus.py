@@ -94,13 +94,13 @@ def test_observe_adds_deltas_per_engine(prom, registry):
     assert value(registry, "vllm:ecoffload_items_loaded_total", engine="1") == 5
 
 
-def test_gauges_take_the_latest_absolute_value_and_usage_follows_free_blocks(prom, registry):
-    prom.observe({"items_resident": 3, "bytes_resident": 12288, "free_blocks": 61}, 0)
-    prom.observe({"items_resident": 5, "bytes_resident": 20480, "free_blocks": 48}, 0)
+def test_gauges_take_the_latest_absolute_value_and_usage_follows_used_blocks(prom, registry):
+    prom.observe({"items_resident": 3, "bytes_resident": 12288, "used_blocks": 3}, 0)
+    prom.observe({"items_resident": 5, "bytes_resident": 20480, "used_blocks": 16}, 0)
     assert value(registry, "vllm:ecoffload_items_resident") == 5
     assert value(registry, "vllm:ecoffload_bytes_resident") == 20480
-    assert value(registry, "vllm:ecoffload_free_blocks") == 48
-    assert value(registry, "vllm:ecoffload_arena_usage_perc") == (ARENA_BLOCKS - 48) / 64
+    assert value(registry, "vllm:ecoffload_used_blocks") == 16
+    assert value(registry, "vllm:ecoffload_arena_usage_perc") == 16 / ARENA_BLOCKS
     assert value(registry, "vllm:ecoffload_items_resident", engine="1") == 0
 
 
@@ -126,7 +126,7 @@ def test_unusable_values_and_unknown_keys_are_ignored(prom, registry, data):
 
 
 def test_floats_are_accepted(prom, registry):
-    prom.observe({"bytes_saved": 4096.0, "free_blocks": 32.0}, 0)
+    prom.observe({"bytes_saved": 4096.0, "used_blocks": 32.0}, 0)
     assert value(registry, "vllm:ecoffload_bytes_saved_total") == 4096
     assert value(registry, "vllm:ecoffload_arena_usage_perc") == 0.5
 
@@ -147,9 +147,9 @@ def test_without_a_readable_arena_config_there_is_no_usage_gauge(registry, tmp_p
         kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
     }
     prom = ECOffloadConnector.build_prom_metrics(config, metric_types, LABELS, ENGINES)
-    prom.observe({"free_blocks": 3, "hits": 1}, 0)
+    prom.observe({"used_blocks": 3, "hits": 1}, 0)
     assert value(registry, "vllm:ecoffload_arena_usage_perc") is None
-    assert value(registry, "vllm:ecoffload_free_blocks") == 3
+    assert value(registry, "vllm:ecoffload_used_blocks") == 3
     assert value(registry, "vllm:ecoffload_hits_total") == 1
 
 
