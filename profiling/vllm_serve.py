@@ -359,6 +359,19 @@ def tiny_model() -> Iterator[str]:
         yield build_tiny_paligemma(os.path.join(tmp, "model"), seed=0)
 
 
+def shm_entries() -> set[str]:
+    """Names in /dev/shm now (empty where it does not exist)."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def shm_leftovers(before: set[str], timeout_s: float = 5.0) -> list[str]:
+    """Entries of /dev/shm not in ``before`` that are still there after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (new := shm_entries() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return sorted(new)
+
+
 def arena_leftovers(arena_dir: str, arena_name: str) -> list[str]:
     """Files of this arena left in ``arena_dir`` and in /dev/shm (both should be empty)."""
     left = [os.path.join(arena_dir, n) for n in os.listdir(arena_dir)]
@@ -372,13 +385,14 @@ def sigint_check(model_dir: str, tries: int, *, timeout_s: float = 10.0) -> bool
     for attempt in range(tries):
         group = bool(attempt % 2)
         name = f"ecoffload-serve-{uuid.uuid4().hex[:12]}"
+        shm_before = shm_entries()
         with tempfile.TemporaryDirectory(prefix="ecoffload-serve-") as arena_dir:
             with Server.start(
                 model_dir, connector=True, arena_dir=arena_dir, arena_name=name
             ) as server:
                 result = interrupt_under_load(server, images, timeout_s=timeout_s, group=group)
                 log = server.log_path
-            left = arena_leftovers(arena_dir, name)
+            left = arena_leftovers(arena_dir, name) + shm_leftovers(shm_before)
         passed = (
             result.seconds is not None
             and result.unanswered == 0

@@ -27,6 +27,8 @@ from ecoffload.profiling.vllm_serve import (
     arena_leftovers,
     chat,
     interrupt_under_load,
+    shm_entries,
+    shm_leftovers,
 )
 
 pytestmark = pytest.mark.slow
@@ -68,6 +70,7 @@ def test_serve_repeats_from_the_arena_then_sigint_under_load(
 ):
     assert len(set(without_connector[:IMAGES])) == IMAGES  # the images matter to the text
     name = f"ecoffload-serve-{uuid.uuid4().hex[:12]}"
+    shm_before = shm_entries()
     with Server.start(
         model_dir,
         connector=True,
@@ -95,3 +98,4 @@ def test_serve_repeats_from_the_arena_then_sigint_under_load(
         assert result.group_exited, "a process of the server outlived it"
     assert arena_leftovers(arena_dir, name) == []
     assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert shm_leftovers(shm_before) == []  # nor anything else the server created
