@@ -50,7 +50,10 @@ def images():
 @pytest.fixture(scope="module")
 def without_connector(model_dir, images, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("serve") / "without-connector.log")
-    with Server.start(model_dir, connector=False, log_path=log) as server:
+    # The reference text only: fork skips two ~30 s re-imports of vLLM (the server
+    # under test keeps the CLI's spawn).
+    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    with Server.start(model_dir, connector=False, log_path=log, env=env) as server:
         client = server.client()
         return [chat(client, images[i]) for i in ORDER]
 
