@@ -2,12 +2,15 @@
 
 vLLM's ``PrometheusStatLogger`` (API server process) asks the connector class
 for ``build_prom_metrics(...)`` once, then calls ``observe(data, engine_idx)``
-with the ``data`` dict of the step's merged :class:`~.stats.ECOffloadStats`
-(worker and scheduler deltas). Each counter name of :data:`~.stats.COUNTERS`
-becomes ``vllm:ecoffload_<name>_total``; absolute values (keys of
-:data:`GAUGES`) set gauges; any other key is ignored, so a newer connector
-never breaks an older metrics process. The metric classes come from vLLM
-(``metric_types``), so its multiprocess registry works unchanged.
+with the ``data`` dict of each step's merged :class:`~.stats.ECOffloadStats`
+(scheduler and worker counter increments, changed gauges). Each name of
+:data:`~.stats.COUNTERS` and :data:`~.stats.WORKER_COUNTERS` becomes a counter
+``vllm:ecoffload_<name>_total``; each name of :data:`~.stats.GAUGES` a gauge
+``vllm:ecoffload_<name>``, plus ``vllm:ecoffload_arena_usage_perc`` (used
+blocks / all blocks). Any other key is ignored, so a newer connector never
+breaks an older metrics process. The metric classes come from vLLM
+(``metric_types``), so its multiprocess registry works unchanged; the
+``vllm:`` prefix lets vLLM unregister them with its own.
 
     vllm:ecoffload_hits_total             items found ready in the arena
     vllm:ecoffload_items_loaded_total     items served from the arena (encoder skipped)
@@ -22,10 +25,10 @@ from typing import Any
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from .config import OffloadConfig
-from .stats import COUNTERS
+from .stats import COUNTERS, GAUGES, WORKER_COUNTERS
 
 PREFIX = "vllm:ecoffload_"
+USAGE = "arena_usage_perc"  # 1 - blocks_free / blocks_total
 
 DESCRIPTIONS = {
     "hits": "Encoder outputs found ready in the ecoffload arena (on vLLM's own "
@@ -41,30 +44,19 @@ DESCRIPTIONS = {
     "saves_failed": "Reserved saves that were not completed (wrong size, not produced, "
     "copy failed).",
     "unexpected_reports": "Worker reports for keys or loads the scheduler did not ship.",
-}
-
-# Absolute values (not deltas): the latest one wins.
-GAUGES = {
+    "encoder_outputs": "Fresh encoder outputs handed to the writing worker.",
+    "save_launches": "Copy launches into the arena (one per step with saves).",
+    "load_launches": "Copy launches out of the arena (one per step with loads).",
     "items_resident": "Items ready in the ecoffload arena.",
     "bytes_resident": "Bytes of the items ready in the ecoffload arena.",
-    "used_blocks": "Blocks of the ecoffload arena in use (ready, being written or reserved).",
+    "blocks_free": "Free blocks of the ecoffload arena.",
+    "blocks_total": "Blocks of the ecoffload arena.",
+    USAGE: "Used blocks of the ecoffload arena / all blocks (1 = full).",
 }
-USAGE = "arena_usage_perc"  # derived from used_blocks and the configured arena size
-
-
-def arena_blocks(vllm_config: Any) -> int | None:
-    """Blocks of the configured arena, or None if the extra config cannot say."""
-    transfer = getattr(vllm_config, "ec_transfer_config", None)
-    extra = getattr(transfer, "ec_connector_extra_config", None)
-    try:
-        arena = OffloadConfig.from_extra_config(extra, engine_id="metrics")
-    except Exception:  # validated (and reported) by the connector itself
-        return None
-    return arena.num_blocks
 
 
 class ECOffloadPromMetrics(ECConnectorPromMetrics):
-    """One counter per name of COUNTERS, one gauge per name of GAUGES, plus usage."""
+    """A counter per counter name, a gauge per gauge name, and the arena's usage."""
 
     def __init__(
         self,
@@ -74,40 +66,43 @@ class ECOffloadPromMetrics(ECConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.num_blocks = arena_blocks(vllm_config)
         self.counters: dict[str, dict[int, Any]] = {}
-        for name in COUNTERS:
+        for name in COUNTERS + WORKER_COUNTERS:
             metric = self._counter_cls(
-                name=PREFIX + name,
-                documentation=DESCRIPTIONS.get(name, f"ecoffload {name.replace('_', ' ')}."),
-                labelnames=labelnames,
+                name=PREFIX + name, documentation=_describe(name), labelnames=labelnames
             )
             self.counters[name] = create_metric_per_engine(metric, per_engine_labelvalues)
-        gauges = dict(GAUGES)
-        if self.num_blocks:
-            gauges[USAGE] = "Used blocks of the ecoffload arena / all blocks (1 = full)."
         self.gauges: dict[str, dict[int, Any]] = {}
-        for name, doc in gauges.items():
+        for name in (*GAUGES, USAGE):
             metric = self._gauge_cls(
                 name=PREFIX + name,
-                documentation=doc,
+                documentation=_describe(name),
                 multiprocess_mode="mostrecent",
                 labelnames=labelnames,
             )
             self.gauges[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+        self._blocks: dict[int, dict[str, float]] = {}  # engine -> latest blocks_free/_total
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Add the step's counter deltas and set the gauges it carries."""
+        """Add the step's counter increments and set the gauges it carries."""
         for name, value in (transfer_stats_data or {}).items():
             if not _is_number(value):
                 continue
             if name in self.counters:
                 if value > 0:  # a counter never goes down
                     self.counters[name][engine_idx].inc(value)
-            elif name in self.gauges:
+            elif name in GAUGES:
                 self.gauges[name][engine_idx].set(value)
-                if name == "used_blocks" and USAGE in self.gauges:
-                    self.gauges[USAGE][engine_idx].set(value / self.num_blocks)
+                if name in ("blocks_free", "blocks_total"):
+                    self._blocks.setdefault(engine_idx, {})[name] = value
+        blocks = self._blocks.get(engine_idx, {})
+        total, free = blocks.get("blocks_total"), blocks.get("blocks_free")
+        if total and free is not None:
+            self.gauges[USAGE][engine_idx].set(max(0.0, total - free) / total)
+
+
+def _describe(name: str) -> str:
+    return DESCRIPTIONS.get(name, f"ecoffload {name.replace('_', ' ')}.")
 
 
 def _is_number(value: Any) -> bool:

@@ -18,12 +18,11 @@ from vllm.config import ECTransferConfig, VllmConfig
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorProm
 
 from ecoffload.connector import ECOffloadConnector
-from ecoffload.connector.prometheus import GAUGES, ECOffloadPromMetrics
-from ecoffload.connector.stats import COUNTERS
+from ecoffload.connector.prometheus import ECOffloadPromMetrics
+from ecoffload.connector.stats import COUNTERS, GAUGES, WORKER_COUNTERS
 
 LABELS = ["model_name", "engine"]
 ENGINES = {0: ["tiny", "0"], 1: ["tiny", "1"]}
-ARENA_BLOCKS = 64  # 256 KiB / 4 KiB
 
 
 def make_config(directory):
@@ -69,7 +68,7 @@ def test_vllm_builds_ecoffload_metrics_through_the_connector_class(prom):
 
 
 def test_every_counter_and_gauge_is_exported_at_zero(prom, registry):
-    for name in COUNTERS:
+    for name in COUNTERS + WORKER_COUNTERS:
         assert value(registry, f"vllm:ecoffload_{name}_total") == 0.0, name
     for name in [*GAUGES, "arena_usage_perc"]:
         assert value(registry, f"vllm:ecoffload_{name}") == 0.0, name
@@ -94,14 +93,27 @@ def test_observe_adds_deltas_per_engine(prom, registry):
     assert value(registry, "vllm:ecoffload_items_loaded_total", engine="1") == 5
 
 
-def test_gauges_take_the_latest_absolute_value_and_usage_follows_used_blocks(prom, registry):
-    prom.observe({"items_resident": 3, "bytes_resident": 12288, "used_blocks": 3}, 0)
-    prom.observe({"items_resident": 5, "bytes_resident": 20480, "used_blocks": 16}, 0)
+def test_gauges_take_the_latest_absolute_value_and_usage_follows_blocks(prom, registry):
+    prom.observe({"items_resident": 3, "bytes_resident": 12288, "blocks_free": 61,
+                  "blocks_total": 64}, 0)  # fmt: skip
+    assert value(registry, "vllm:ecoffload_arena_usage_perc") == 3 / 64
+    prom.observe({"items_resident": 5, "bytes_resident": 20480, "blocks_free": 48}, 0)
     assert value(registry, "vllm:ecoffload_items_resident") == 5
     assert value(registry, "vllm:ecoffload_bytes_resident") == 20480
-    assert value(registry, "vllm:ecoffload_used_blocks") == 16
-    assert value(registry, "vllm:ecoffload_arena_usage_perc") == 16 / ARENA_BLOCKS
+    assert value(registry, "vllm:ecoffload_blocks_free") == 48
+    assert value(registry, "vllm:ecoffload_blocks_total") == 64
+    assert value(registry, "vllm:ecoffload_arena_usage_perc") == 16 / 64
+    prom.observe({"hits": 1}, 0)  # no gauge in this step: usage unchanged
+    assert value(registry, "vllm:ecoffload_arena_usage_perc") == 16 / 64
     assert value(registry, "vllm:ecoffload_items_resident", engine="1") == 0
+    assert value(registry, "vllm:ecoffload_arena_usage_perc", engine="1") == 0
+
+
+def test_worker_counters_are_exported(prom, registry):
+    prom.observe({"encoder_outputs": 4, "save_launches": 2, "load_launches": 1}, 0)
+    assert value(registry, "vllm:ecoffload_encoder_outputs_total") == 4
+    assert value(registry, "vllm:ecoffload_save_launches_total") == 2
+    assert value(registry, "vllm:ecoffload_load_launches_total") == 1
 
 
 @pytest.mark.parametrize(
@@ -126,7 +138,7 @@ def test_unusable_values_and_unknown_keys_are_ignored(prom, registry, data):
 
 
 def test_floats_are_accepted(prom, registry):
-    prom.observe({"bytes_saved": 4096.0, "used_blocks": 32.0}, 0)
+    prom.observe({"bytes_saved": 4096.0, "blocks_free": 32.0, "blocks_total": 64.0}, 0)
     assert value(registry, "vllm:ecoffload_bytes_saved_total") == 4096
     assert value(registry, "vllm:ecoffload_arena_usage_perc") == 0.5
 
@@ -140,17 +152,30 @@ def test_stats_of_the_connector_reach_the_counters_unchanged(prom, registry):
     assert value(registry, "vllm:ecoffload_items_loaded_total") == 1
 
 
-def test_without_a_readable_arena_config_there_is_no_usage_gauge(registry, tmp_path):
-    config = make_config(str(tmp_path))
-    config.ec_transfer_config.ec_connector_extra_config["arena_bytes"] = "lots"
-    metric_types = {
-        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
-    }
-    prom = ECOffloadConnector.build_prom_metrics(config, metric_types, LABELS, ENGINES)
-    prom.observe({"used_blocks": 3, "hits": 1}, 0)
-    assert value(registry, "vllm:ecoffload_arena_usage_perc") is None
-    assert value(registry, "vllm:ecoffload_used_blocks") == 3
-    assert value(registry, "vllm:ecoffload_hits_total") == 1
+def test_usage_waits_for_both_block_counts(prom, registry):
+    prom.observe({"blocks_free": 3}, 0)
+    assert value(registry, "vllm:ecoffload_arena_usage_perc") == 0
+    prom.observe({"blocks_total": 4}, 0)
+    assert value(registry, "vllm:ecoffload_arena_usage_perc") == 0.25
+
+
+def test_the_schedulers_first_stats_set_the_gauges(prom, registry, tmp_path):
+    """The scheduler's stats of a fresh arena (main's delta(): gauges sent at first)."""
+    sched = ECOffloadConnector(make_config(str(tmp_path)), _scheduler_role())
+    try:
+        stats = sched.get_ec_connector_stats()
+    finally:
+        sched.shutdown()
+    prom.observe(stats.data, 0)
+    assert value(registry, "vllm:ecoffload_blocks_total") == 64  # 256 KiB / 4 KiB
+    assert value(registry, "vllm:ecoffload_blocks_free") == 64
+    assert value(registry, "vllm:ecoffload_arena_usage_perc") == 0
+
+
+def _scheduler_role():
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    return ECConnectorRole.SCHEDULER
 
 
 def test_names_survive_vllms_unregister_between_loggers(vllm_config):
