@@ -92,6 +92,8 @@ def test_serve_repeats_from_the_arena_then_sigint_under_load(
         assert metrics["vllm:ecoffload_bytes_loaded_total"] > 0
         assert metrics["vllm:ecoffload_saves_failed_total"] == 0
         assert metrics["vllm:ecoffload_unexpected_reports_total"] == 0
+        assert metrics["vllm:ecoffload_items_resident"] == IMAGES  # occupancy gauges
+        assert 0 < metrics["vllm:ecoffload_arena_usage_perc"] <= 1
 
         result = interrupt_under_load(server, images, timeout_s=SIGINT_LIMIT_S)
         assert result.seconds is not None, f"still running after SIGINT\n{server.log()}"
