@@ -97,6 +97,9 @@ def install_vllm_alias() -> None:
         sys.meta_path.append(_VllmAliasFinder())
 
 
+_failed: weakref.WeakSet = weakref.WeakSet()  # output handlers whose requests were failed
+
+
 def fail_pending_requests_on_shutdown() -> None:
     """Make ``AsyncLLM.shutdown`` fail the requests it leaves unfinished (idempotent).
 
@@ -124,9 +127,6 @@ def fail_pending_requests_on_shutdown() -> None:
 
     shutdown._ecoffload_fails_pending = True  # type: ignore[attr-defined]
     AsyncLLM.shutdown = shutdown
-
-
-_failed: weakref.WeakSet = weakref.WeakSet()  # output handlers whose requests were failed
 
 
 def _fail_pending(processor: Any) -> None:

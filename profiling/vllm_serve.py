@@ -364,12 +364,43 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def shm_inodes_in_use() -> set[int]:
+    """Inodes of /dev/shm files a live process has open or mapped (/proc/*/fd, /proc/*/maps).
+
+    By inode, not name: a named semaphore is mapped under the temporary name it
+    was created with before being linked to its real one.
+    """
+    used: set[int] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                        used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
+                    used.add(int(fields[4]))
+    return used
+
+
 def shm_leftovers(before: set[str], timeout_s: float = 5.0) -> list[str]:
-    """Entries of /dev/shm not in ``before`` that are still there after ``timeout_s``."""
+    """Entries of /dev/shm not in ``before``, still there after ``timeout_s``, that no
+    live process holds: what a server that has fully exited left behind (entries of
+    other programs running meanwhile are open or mapped by them)."""
     deadline = time.monotonic() + timeout_s
     while (new := shm_entries() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return sorted(new)
+    if not new:
+        return []
+    used = shm_inodes_in_use()
+    left = []
+    for name in sorted(new):
+        with contextlib.suppress(OSError):
+            if os.stat(os.path.join("/dev/shm", name)).st_ino not in used:
+                left.append(name)
+    return left
 
 
 def arena_leftovers(arena_dir: str, arena_name: str) -> list[str]:

@@ -104,3 +104,17 @@ def test_serve_repeats_from_the_arena_then_sigint_under_load(
     assert arena_leftovers(arena_dir, name) == []
     assert not os.path.exists(os.path.join("/dev/shm", name))
     assert shm_leftovers(shm_before) == []  # nor anything else the server created
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_shm_leftovers_sees_a_leak_but_not_files_still_held(tmp_path):
+    before = shm_entries()
+    leak, held = (f"/dev/shm/ecoffload-test-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    open(leak, "w").close()
+    with open(held, "w"):  # still open: a live process's file, not a leftover
+        try:
+            assert shm_leftovers(before, timeout_s=0.5) == [os.path.basename(leak)]
+        finally:
+            os.unlink(leak)
+            os.unlink(held)
+    assert shm_leftovers(before, timeout_s=0) == []
