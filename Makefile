@@ -21,7 +21,7 @@ PY := $(VENV)/bin/python
 export PYTHONSAFEPATH := 1
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test soak bench bench-alloc gpu-check clean
+.PHONY: demo test soak serve-check bench bench-alloc gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ soak: $(STAMP)
 	  ECOFFLOAD_SHARED_SOAK_SECONDS=900 \
 	  $(PY) -m pytest -q -s -p no:cacheprovider tests/test_engine_stateful.py tests/test_soak.py \
 	  tests/test_shared_catalog_soak.py
+
+# `vllm serve` with the connector, SIGINT under load five times (main process and
+# process group alternately): exits within 10 s, no request left waiting, no arena file left.
+serve-check: $(STAMP)
+	$(PY) -m ecoffload.profiling.vllm_serve --sigint-tries 5
 
 bench: $(STAMP)
 	$(PY) -m ecoffload.profiling.bench

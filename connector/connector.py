@@ -123,3 +123,16 @@ class ECOffloadConnector(ECConnectorBase):
     @traced("ecoffload.shutdown")
     def shutdown(self) -> None:
         self.side.shutdown()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """ecoffload's counters and arena occupancy for ``/metrics`` (API server process)."""
+        from .prometheus import ECOffloadPromMetrics
+
+        return ECOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

