@@ -51,6 +51,7 @@ DESCRIPTIONS = {
     "bytes_resident": "Bytes of the items ready in the ecoffload arena.",
     "blocks_free": "Free blocks of the ecoffload arena.",
     "blocks_total": "Blocks of the ecoffload arena.",
+    "arena_ready_fraction": "Share of the ecoffload arena pre-faulted and allocatable so far.",
     USAGE: "Used blocks of the ecoffload arena / all blocks (1 = full).",
 }
 
