@@ -6,7 +6,9 @@ and a device, not the catalog. ``save`` packs a batch into given block tables;
 as one kernel launch on a dedicated stream that first waits for the caller's
 stream; the returned :class:`Completion` carries the CUDA event that marks the
 end, and ``load`` makes the caller's stream wait on it, so work the caller
-enqueues next sees the data. On CPU the copies are synchronous.
+enqueues next sees the data. On CPU the copies are synchronous, unless
+:attr:`BlockMover.run_cpu_copy` is replaced: tests install a runner that
+defers copies, so "visible only once complete" is checked with copies in flight.
 
 Paths, chosen once per mover:
 
@@ -18,8 +20,9 @@ Paths, chosen once per mover:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -38,6 +41,14 @@ from .arena import Arena
 Extents = Sequence[tuple[int, int]]
 
 
+class CopyEvent(Protocol):
+    """What a Completion waits on: a ``torch.cuda.Event``, or a test's stand-in."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
 class Completion:
     """The end of one asynchronous copy (None: a synchronous CPU copy, already done).
 
@@ -45,7 +56,7 @@ class Completion:
     caching allocator from reusing them before the copy's stream gets past it.
     """
 
-    def __init__(self, event: torch.cuda.Event | None = None) -> None:
+    def __init__(self, event: CopyEvent | None = None) -> None:
         self._event = event
 
     def done(self) -> bool:
@@ -72,8 +83,18 @@ def split_completed(
     return finished, still
 
 
+def run_now(copy: Callable[[], None]) -> CopyEvent | None:
+    """The default CPU copy runner: copy at once; nothing left to wait for."""
+    copy()
+    return None
+
+
 class BlockMover:
     """Packs and unpacks batches of items for one arena on one device."""
+
+    #: How a CPU copy runs: given the copy, run it (now or later) and return the
+    #: event marking its end, None if it already ran. Tests set a deferring runner.
+    run_cpu_copy: Callable[[Callable[[], None]], CopyEvent | None] = staticmethod(run_now)
 
     def __init__(
         self,
@@ -112,8 +133,8 @@ class BlockMover:
         with nvtx_range("ecoffload.save"):
             sources = list(sources)
             if self.stream is None:
-                self._copy(sources, tables, to_arena=True)
-                return Completion()
+                copy = partial(self._copy, sources, tables, to_arena=True)
+                return Completion(self.run_cpu_copy(copy))
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             for t in sources:  # the allocator must not reuse them before the copy ends
                 t.record_stream(self.stream)
@@ -134,8 +155,8 @@ class BlockMover:
         with nvtx_range("ecoffload.load"):
             outputs = empty_items(specs, self.device)
             if self.stream is None:
-                self._copy(outputs, tables, to_arena=False)
-                return outputs, Completion()
+                copy = partial(self._copy, outputs, tables, to_arena=False)
+                return outputs, Completion(self.run_cpu_copy(copy))
             caller = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(caller)
             if outputs:
