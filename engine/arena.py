@@ -90,6 +90,18 @@ _PARALLEL_POPULATE_BYTES = 4 << 30
 RegisterMode = Literal["auto", "always", "never"]
 
 
+class _AnyLayout:
+    def __repr__(self) -> str:
+        return "ANY_LAYOUT"
+
+
+#: ``Arena.attach(..., layout_key=ANY_LAYOUT)``: map the arena whatever its layout key
+#: (tools that inspect any arena). Without it, a missing key only matches an arena
+#: made without one: a keyed arena is refused.
+ANY_LAYOUT = _AnyLayout()
+LayoutKey = str | Mapping[str, object]
+
+
 def layout_key_text(layout_key: str | Mapping[str, object]) -> str:
     """Canonical text of a layout key (a mapping becomes sorted JSON)."""
     if isinstance(layout_key, Mapping):
@@ -156,6 +168,8 @@ class Arena:
                 4 GiB, else up to 8).
         """
         check_arena_name(name)
+        if layout_key is ANY_LAYOUT:
+            raise ArenaError("ANY_LAYOUT is for attach: give create the arena's real layout key")
         key = layout_key_text(layout_key).encode()
         if len(key) > MAX_LAYOUT_KEY_BYTES:
             raise ArenaError(
@@ -217,15 +231,18 @@ class Arena:
         *,
         block_bytes: int | None = None,
         num_blocks: int | None = None,
-        layout_key: str | Mapping[str, object] | None = None,
+        layout_key: LayoutKey | _AnyLayout | None = "",
         directory: str = DEFAULT_DIR,
         timeout_s: float = 30.0,
         register_cuda: RegisterMode = "auto",
     ) -> Arena:
         """Map an arena another process created, waiting up to ``timeout_s`` for it.
 
-        Every expectation given (block size, block count, layout key) is checked
-        against the header; a mismatch raises :class:`ArenaLayoutMismatch`.
+        Every expectation given (block size, block count) is checked against the
+        header, and the layout key always is: no key (``""`` or None) expects an
+        arena made without one, so a keyed arena is refused; pass
+        :data:`ANY_LAYOUT` to accept any. A mismatch raises
+        :class:`ArenaLayoutMismatch`.
         """
         check_arena_name(name)
         path = os.path.join(directory, name)
@@ -250,13 +267,18 @@ class Arena:
         A file left by a creator that died before every process attached
         (its pid and start time no longer match a live process) is reclaimed:
         its name is removed (only if it still names that very file) and a new
-        arena is created.
+        arena is created. ``layout_key`` is written if this call creates the
+        file and checked if it attaches (:data:`ANY_LAYOUT`: create without a
+        key, attach to any).
         """
         create_only = ("processes", "populate_threads")
         attach_only = ("timeout_s",)
+        create_kwargs = {k: v for k, v in kwargs.items() if k not in attach_only}
+        if create_kwargs.get("layout_key") is ANY_LAYOUT:
+            create_kwargs["layout_key"] = ""
         for _ in range(3):
             try:
-                return cls.create(name, **{k: v for k, v in kwargs.items() if k not in attach_only})
+                return cls.create(name, **create_kwargs)
             except ArenaExistsError:
                 pass
             try:
@@ -516,7 +538,7 @@ def _check_header(
     mm: mmap.mmap,
     block_bytes: int | None,
     num_blocks: int | None,
-    layout_key: str | Mapping[str, object] | None,
+    layout_key: LayoutKey | _AnyLayout | None,
     file_size: int,
 ) -> None:
     h = Header(*_HEADER.unpack_from(mm))
@@ -528,10 +550,14 @@ def _check_header(
         checks.append(("block_bytes", block_bytes, h.block_bytes))
     if num_blocks is not None:
         checks.append(("num_blocks", num_blocks, h.num_blocks))
-    if layout_key is not None:
+    if layout_key is not ANY_LAYOUT:
         found_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + min(h.key_len, MAX_LAYOUT_KEY_BYTES)])
         checks.append(
-            ("layout_key", layout_key_text(layout_key), found_key.decode(errors="replace"))
+            (
+                "layout_key",
+                layout_key_text("" if layout_key is None else layout_key),
+                found_key.decode(errors="replace"),
+            )
         )
     for field_name, expected, found in checks:
         if expected != found:
