@@ -382,7 +382,7 @@ class Arena:
         fcntl.flock(self._fd, fcntl.LOCK_EX)  # read-modify-write across processes
         try:
             (expected,) = struct.unpack_from("<I", self._mm, _ATTACHED_OFFSET - 4)
-            attached = self.attached_processes() + 1
+            attached = min(self.attached_processes() + 1, 0xFFFFFFFF)  # a counter, saturated
             struct.pack_into("<I", self._mm, _ATTACHED_OFFSET, attached)
             if expected and attached >= expected:
                 self._unlink()
@@ -562,6 +562,12 @@ def _check_header(
     for field_name, expected, found in checks:
         if expected != found:
             raise ArenaLayoutMismatch(path, field_name, expected, found)
+    if h.block_bytes <= 0 or h.block_bytes % mmap.PAGESIZE:
+        raise ArenaLayoutMismatch(
+            path, "block_bytes", f"a positive multiple of {mmap.PAGESIZE}", h.block_bytes
+        )
+    if h.num_blocks <= 0:
+        raise ArenaLayoutMismatch(path, "num_blocks", "a positive count", h.num_blocks)
     expected_size = h.data_offset + h.block_bytes * h.num_blocks
     if file_size != expected_size or h.data_offset % mmap.PAGESIZE:
         raise ArenaLayoutMismatch(path, "file_size", expected_size, file_size)

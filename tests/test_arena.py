@@ -326,3 +326,18 @@ def test_attach_without_a_key_refuses_a_keyed_arena(arena_dir):
             assert e.layout_key == ""
     with pytest.raises(ArenaError, match="ANY_LAYOUT is for attach"):
         create(arena_dir, layout_key=ANY_LAYOUT)
+
+
+def test_attach_refuses_a_header_without_blocks_and_saturates_the_attach_count(arena_dir):
+    # Found by the header fuzzer: block_bytes 0 in a header-sized file escaped as a
+    # ValueError from torch.frombuffer; a full attach counter as a struct.error.
+    with create(arena_dir) as a:
+        struct.pack_into("<I", a._mm, arena_mod._ATTACHED_OFFSET, 2**32 - 1)
+        with Arena.attach("a", directory=arena_dir, layout_key=KEY, timeout_s=0.2) as b:
+            assert b.attached_processes() == 2**32 - 1
+        header = arena_mod.Header(*arena_mod._HEADER.unpack_from(a._mm))
+        arena_mod._HEADER.pack_into(a._mm, 0, *header._replace(block_bytes=0))
+        os.truncate(a.path, HEADER_BYTES)
+        with pytest.raises(ArenaLayoutMismatch) as err:
+            Arena.attach("a", directory=arena_dir, layout_key=KEY, timeout_s=0.2)
+        assert err.value.field == "block_bytes"
