@@ -11,7 +11,8 @@ repository's folders are installed as ``ecoffload.kernels``, ``ecoffload.engine`
     pyproject.toml                                        + [tool.mutmut] for this module
 
 There ``mutmut run`` mutates the one module, runs only the tests listed for it
-below (derandomized hypothesis, CI=1), and this script prints the kill rate,
+below (derandomized hypothesis, CI=1, fewer examples: ECOFFLOAD_MUTATION=1),
+and this script prints the kill rate,
 the time taken and every survivor (``mutmut show NAME`` inside the staging
 folder prints its diff). Results are kept in ``.mutate/`` (git-ignored).
 """
@@ -74,13 +75,14 @@ def stage(module: str) -> Path:
         + 'also_copy = ["src"]\n'
         + f"pytest_add_cli_args_test_selection = [{selection}]\n"
         + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:warnings"]\n'
+        + "timeout_multiplier = 4.0\n"
     )
     return root
 
 
 def run(module: str, children: int) -> dict:
     root = stage(module)
-    env = {**os.environ, "CI": "1", "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, "CI": "1", "PYTHONSAFEPATH": "1", "ECOFFLOAD_MUTATION": "1"}
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],

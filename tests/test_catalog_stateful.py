@@ -18,6 +18,7 @@ reserve, reservations refused because of pins, and evictions that had to
 pass over a pinned item (see REACHED; ``pytest -s`` prints the counts).
 """
 
+import os
 from collections import Counter
 
 from hypothesis import event, settings, target
@@ -39,7 +40,10 @@ NUM_BLOCKS = 32
 KEYS = [f"k{i}" for i in range(14)]
 SMALL = st.integers(1, 4 * B)  # 1 to 4 blocks: fills the arena with many items
 LARGE = st.integers(8 * B, NUM_BLOCKS * B)  # needs evictions: pressure
-SETTINGS = settings(max_examples=150, stateful_step_count=60, deadline=None)
+# `make mutate` runs every mutant against this test: fewer examples there, and the
+# floors (which measure the generator, not the catalog) are not checked.
+MUTATION = bool(os.environ.get("ECOFFLOAD_MUTATION"))
+SETTINGS = settings(max_examples=30 if MUTATION else 150, stateful_step_count=60, deadline=None)
 # What one run must reach at least. Hypothesis disables random subsets of rules
 # per example (swarm testing), so totals vary from seed to seed: over seeds 1-5
 # and CI's derandomized run the lowest were pin 769, evicted_by_reserve 141,
@@ -249,5 +253,5 @@ def test_catalog_state_machine_reaches_its_states():
     REACHED.clear()
     run_state_machine_as_test(CatalogMachine, settings=SETTINGS)
     print(f"\ncatalog state machine reached: {dict(REACHED)}")
-    low = {k: (REACHED[k], floor) for k, floor in FLOORS.items() if REACHED[k] < floor}
+    low = {k: (REACHED[k], f) for k, f in FLOORS.items() if REACHED[k] < f and not MUTATION}
     assert not low, f"the run reached fewer than the floor of (reached, floor): {low}"

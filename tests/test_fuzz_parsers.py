@@ -36,6 +36,7 @@ from ecoffload.engine.sizes import parse_bytes
 from ecoffload.kernels import PlanError, pack, plan_copy, unpack
 
 REACHED: Counter[str] = Counter()
+MUTATION = bool(os.environ.get("ECOFFLOAD_MUTATION"))  # `make mutate`: fewer table examples
 
 
 def reached(name: str) -> None:
@@ -46,7 +47,7 @@ def reached(name: str) -> None:
 def check_floors(prefix: str, floors: dict[str, int]) -> None:
     got = {k: REACHED[f"{prefix}{k}"] for k in floors}
     print(f"\n{prefix} reached: {got}")
-    low = {k: (got[k], floor) for k, floor in floors.items() if got[k] < floor}
+    low = {k: (got[k], f) for k, f in floors.items() if got[k] < f and not MUTATION}
     assert not low, f"the run reached fewer than the floor of (reached, floor): {low}"
 
 
@@ -336,7 +337,7 @@ def items_for(sizes):
     return [torch.randint(1, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=8 if MUTATION else 40, deadline=None)
 @given(data=st.data())
 def _tables_property(backend, defect, data):
     sizes, tables, defect = data.draw(table_cases(defect))
