@@ -58,6 +58,7 @@ MODULES: dict[str, list[str]] = {
     "connector/worker_side.py": CONNECTOR_TESTS,
 }
 KILLED = {1, 3}
+TIMEOUT = {-24, 24, 36, 152, 255}  # killed by the CPU-time limit: the mutant loops or stalls
 
 
 def stage(module: str) -> Path:
@@ -94,14 +95,16 @@ def run(module: str, children: int) -> dict:
     if not meta.exists():
         sys.exit(f"{module}: mutmut produced no results; see {root / 'mutmut-run.log'}")
     codes = json.loads(meta.read_text())["exit_code_by_key"]
-    status = Counter("killed" if c in KILLED else "survived" if c == 0 else f"other {c}"
-                     for c in codes.values())  # fmt: skip
-    survivors = sorted(k for k, c in codes.items() if c not in KILLED)
+    status = Counter(
+        "killed" if c in KILLED else "timeout" if c in TIMEOUT else "survived" if c == 0
+        else f"other {c}" for c in codes.values()
+    )  # fmt: skip
+    survivors = sorted(k for k, c in codes.items() if c not in KILLED | TIMEOUT)
     return {
         "module": module,
         "mutants": len(codes),
-        "killed": status["killed"],
-        "rate": status["killed"] / max(1, len(codes)),
+        "killed": status["killed"] + status["timeout"],  # as mutmut scores them
+        "rate": (status["killed"] + status["timeout"]) / max(1, len(codes)),
         "seconds": round(seconds),
         "status": dict(status),
         "survivors": survivors,
@@ -114,14 +117,15 @@ def main() -> None:
     parser.add_argument("--children", type=int, default=2, help="mutants tested at once")
     args = parser.parse_args()
     results = [run(module, args.children) for module in args.modules]
-    print(f"{'module':30} {'mutants':>7} {'killed':>7} {'rate':>6} {'time':>7}")
+    print(f"{'module':30} {'mutants':>7} {'killed':>7} {'rate':>6} {'time':>7}  status")
     for r in results:
         print(f"{r['module']:30} {r['mutants']:7} {r['killed']:7} {r['rate']:6.1%} "
-              f"{r['seconds']:6}s")  # fmt: skip
+              f"{r['seconds']:6}s  {r['status']}")  # fmt: skip
     for r in results:
         for name in r["survivors"]:
             print(f"survived: {name}  ({r['module']}, {r['status']})")
-    (REPO / ".mutate" / "results.json").write_text(json.dumps(results, indent=1))
+    out = REPO / ".mutate" / f"results-{int(time.time())}.json"
+    out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -129,3 +129,26 @@ def test_misuse_raises_specific_errors_and_changes_nothing(op, exc, match):
         op(c)
     assert [(e.key, e.state, e.pins, list(e.extents)) for e in c.entries()] == before
     c.check()
+
+
+def test_abort_is_not_an_eviction_and_names_itself():
+    c = make()
+    c.reserve("a", 3 * B)
+    c.commit("a")
+    with pytest.raises(ItemStateError, match=r"abort\('a'\) needs an item in state 'writing'"):
+        c.abort("a")
+    c.reserve("b", 2 * B)
+    c.abort("b")
+    s = c.stats()
+    assert (s.evictions, s.bytes_evicted, s.items_stored) == (0, 0, 1)
+
+
+def test_check_catches_a_negative_pin_count():
+    c = make()
+    c.reserve("a", B)
+    c.commit("a")
+    c.check()
+    c.entry("a").pins = -1  # as an unbalanced unpin would leave it...
+    c._evictable_blocks -= 1  # ...with the evictable count kept consistent
+    with pytest.raises(AssertionError):
+        c.check()
