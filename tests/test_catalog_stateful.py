@@ -21,7 +21,7 @@ pass over a pinned item (see REACHED; ``pytest -s`` prints the counts).
 import os
 from collections import Counter
 
-from hypothesis import event, settings, target
+from hypothesis import Phase, event, settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -43,7 +43,9 @@ LARGE = st.integers(8 * B, NUM_BLOCKS * B)  # needs evictions: pressure
 # `make mutate` runs every mutant against this test: fewer examples there, and the
 # floors (which measure the generator, not the catalog) are not checked.
 MUTATION = bool(os.environ.get("ECOFFLOAD_MUTATION"))
-SETTINGS = settings(max_examples=30 if MUTATION else 150, stateful_step_count=60, deadline=None)
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)  # a mutant only needs a failure
+SETTINGS = settings(max_examples=30 if MUTATION else 150, stateful_step_count=60, deadline=None,
+                    phases=NO_SHRINK if MUTATION else tuple(Phase))  # fmt: skip
 # What one run must reach at least. Hypothesis disables random subsets of rules
 # per example (swarm testing), so totals vary from seed to seed: over seeds 1-5
 # and CI's derandomized run the lowest were pin 769, evicted_by_reserve 141,

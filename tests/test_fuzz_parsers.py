@@ -19,7 +19,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import event, example, given, settings
+from hypothesis import Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from ecoffload.connector.config import DEFAULTS, OffloadConfig
@@ -337,7 +337,8 @@ def items_for(sizes):
     return [torch.randint(1, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
 
 
-@settings(max_examples=8 if MUTATION else 40, deadline=None)
+@settings(max_examples=8 if MUTATION else 40, deadline=None,
+          phases=(Phase.explicit, Phase.generate) if MUTATION else tuple(Phase))  # fmt: skip
 @given(data=st.data())
 def _tables_property(backend, defect, data):
     sizes, tables, defect = data.draw(table_cases(defect))
