@@ -76,7 +76,6 @@ def stage(module: str) -> Path:
         + 'also_copy = ["src"]\n'
         + f"pytest_add_cli_args_test_selection = [{selection}]\n"
         + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:warnings"]\n'
-        + "timeout_multiplier = 4.0\n"
     )
     return root
 
