@@ -21,7 +21,7 @@ PY := $(VENV)/bin/python
 export PYTHONSAFEPATH := 1
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test soak serve-check bench bench-alloc gpu-check clean
+.PHONY: demo test soak serve-check mutate bench bench-alloc gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,14 @@ soak: $(STAMP)
 serve-check: $(STAMP)
 	$(PY) -m ecoffload.profiling.vllm_serve --sigint-tries 5
 
+# Mutation testing (mutmut 3, the `mutate` extra) of the core modules, each against
+# its fast tests; kill rates and survivors are printed and kept in .mutate/ (see
+# TESTING.md for the last figures and how long it takes). One module:
+#   make mutate MUTATE=engine/catalog.py
+mutate: $(STAMP)
+	$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install -q -e ".[mutate]"
+	nice -n 10 $(PY) tests/mutate.py $(MUTATE)
+
 bench: $(STAMP)
 	$(PY) -m ecoffload.profiling.bench
 
@@ -66,4 +74,4 @@ gpu-check:
 	bash profiling/gpu_check.sh gpu-check-out
 
 clean:
-	rm -rf $(VENV) bench-out gpu-check-out .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) bench-out gpu-check-out .pytest_cache .ruff_cache .hypothesis .mutate

@@ -119,6 +119,18 @@ PopulateMode = Literal["background", "eager", "lazy"]
 POPULATE_MODES: tuple[str, ...] = ("background", "eager", "lazy")
 
 
+class _AnyLayout:
+    def __repr__(self) -> str:
+        return "ANY_LAYOUT"
+
+
+#: ``Arena.attach(..., layout_key=ANY_LAYOUT)``: map the arena whatever its layout key
+#: (tools that inspect any arena). Without it, a missing key only matches an arena
+#: made without one: a keyed arena is refused.
+ANY_LAYOUT = _AnyLayout()
+LayoutKey = str | Mapping[str, object]
+
+
 def layout_key_text(layout_key: str | Mapping[str, object]) -> str:
     """Canonical text of a layout key (a mapping becomes sorted JSON)."""
     if isinstance(layout_key, Mapping):
@@ -200,6 +212,8 @@ class Arena:
         """
         check_arena_name(name)
         _check_populate(populate)
+        if layout_key is ANY_LAYOUT:
+            raise ArenaError("ANY_LAYOUT is for attach: give create the arena's real layout key")
         key = layout_key_text(layout_key).encode()
         if len(key) > MAX_LAYOUT_KEY_BYTES:
             raise ArenaError(
@@ -279,7 +293,7 @@ class Arena:
         *,
         block_bytes: int | None = None,
         num_blocks: int | None = None,
-        layout_key: str | Mapping[str, object] | None = None,
+        layout_key: LayoutKey | _AnyLayout | None = "",
         directory: str = DEFAULT_DIR,
         timeout_s: float = 30.0,
         register_cuda: RegisterMode = "auto",
@@ -287,11 +301,13 @@ class Arena:
     ) -> Arena:
         """Map an arena another process created, waiting up to ``timeout_s`` for it.
 
-        Every expectation given (block size, block count, layout key) is checked
-        against the header; a mismatch raises :class:`ArenaLayoutMismatch`.
-        ``populate`` "eager" registers with CUDA before returning (waiting for
-        the creator's populate); otherwise registration follows the ready
-        prefix in the background.
+        Every expectation given (block size, block count) is checked against the
+        header, and the layout key always is: no key (``""`` or None) expects an
+        arena made without one, so a keyed arena is refused; pass
+        :data:`ANY_LAYOUT` to accept any. A mismatch raises
+        :class:`ArenaLayoutMismatch`. ``populate`` "eager" registers with CUDA
+        before returning (waiting for the creator's populate); otherwise
+        registration follows the ready prefix in the background.
         """
         check_arena_name(name)
         _check_populate(populate)
@@ -317,13 +333,18 @@ class Arena:
         A file left by a creator that died before every process attached
         (its pid and start time no longer match a live process) is reclaimed:
         its name is removed (only if it still names that very file) and a new
-        arena is created.
+        arena is created. ``layout_key`` is written if this call creates the
+        file and checked if it attaches (:data:`ANY_LAYOUT`: create without a
+        key, attach to any).
         """
         create_only = ("processes", "populate_threads", "meta_bytes")
         attach_only = ("timeout_s",)  # populate goes to both
+        create_kwargs = {k: v for k, v in kwargs.items() if k not in attach_only}
+        if create_kwargs.get("layout_key") is ANY_LAYOUT:
+            create_kwargs["layout_key"] = ""
         for _ in range(3):
             try:
-                return cls.create(name, **{k: v for k, v in kwargs.items() if k not in attach_only})
+                return cls.create(name, **create_kwargs)
             except ArenaExistsError:
                 pass
             try:
@@ -489,7 +510,7 @@ class Arena:
         fcntl.flock(self._fd, fcntl.LOCK_EX)  # read-modify-write across processes
         try:
             (expected,) = struct.unpack_from("<I", self._mm, _ATTACHED_OFFSET - 4)
-            attached = self.attached_processes() + 1
+            attached = min(self.attached_processes() + 1, 0xFFFFFFFF)  # a counter, saturated
             struct.pack_into("<I", self._mm, _ATTACHED_OFFSET, attached)
             if expected and attached >= expected:
                 self._unlink()
@@ -875,7 +896,7 @@ def _check_header(
     mm: mmap.mmap,
     block_bytes: int | None,
     num_blocks: int | None,
-    layout_key: str | Mapping[str, object] | None,
+    layout_key: LayoutKey | _AnyLayout | None,
     file_size: int,
 ) -> None:
     h = Header(*_HEADER.unpack_from(mm))
@@ -887,14 +908,24 @@ def _check_header(
         checks.append(("block_bytes", block_bytes, h.block_bytes))
     if num_blocks is not None:
         checks.append(("num_blocks", num_blocks, h.num_blocks))
-    if layout_key is not None:
+    if layout_key is not ANY_LAYOUT:
         found_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + min(h.key_len, MAX_LAYOUT_KEY_BYTES)])
         checks.append(
-            ("layout_key", layout_key_text(layout_key), found_key.decode(errors="replace"))
+            (
+                "layout_key",
+                layout_key_text("" if layout_key is None else layout_key),
+                found_key.decode(errors="replace"),
+            )
         )
     for field_name, expected, found in checks:
         if expected != found:
             raise ArenaLayoutMismatch(path, field_name, expected, found)
+    if h.block_bytes <= 0 or h.block_bytes % mmap.PAGESIZE:
+        raise ArenaLayoutMismatch(
+            path, "block_bytes", f"a positive multiple of {mmap.PAGESIZE}", h.block_bytes
+        )
+    if h.num_blocks <= 0:
+        raise ArenaLayoutMismatch(path, "num_blocks", "a positive count", h.num_blocks)
     expected_size = h.data_offset + h.block_bytes * h.num_blocks
     if file_size != expected_size or h.data_offset % mmap.PAGESIZE:
         raise ArenaLayoutMismatch(path, "file_size", expected_size, file_size)

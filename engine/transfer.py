@@ -15,7 +15,9 @@ as one kernel launch on the mover's own stream; the returned
   data) and the outputs are recorded as used there.
 
 Events come from a small pool: one is reused once its copy was seen complete.
-On CPU the copies are synchronous.
+On CPU the copies are synchronous, unless :attr:`BlockMover.run_cpu_copy` is
+replaced: tests install a runner that defers copies, so "visible only once
+complete" is checked with copies in flight.
 
 Paths, chosen once per mover:
 
@@ -32,7 +34,8 @@ arena is still being populated, or that chunk's registration failed: see
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from functools import partial
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -53,6 +56,14 @@ from .arena import Arena
 Extents = Sequence[tuple[int, int]]
 
 
+class CopyEvent(Protocol):
+    """What a Completion waits on: a ``torch.cuda.Event``, or a test's stand-in."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
 class Completion:
     """The end of one asynchronous copy (no event: a synchronous CPU copy, already done).
 
@@ -63,10 +74,10 @@ class Completion:
 
     def __init__(
         self,
-        event: torch.cuda.Event | None = None,
+        event: CopyEvent | None = None,
         *,
         keep_alive: Sequence[torch.Tensor] = (),
-        release: Callable[[torch.cuda.Event], None] | None = None,
+        release: Callable[[CopyEvent], None] | None = None,
     ) -> None:
         self._event, self._keep_alive, self._release = event, keep_alive, release
 
@@ -105,8 +116,18 @@ def split_completed(
     return finished, still
 
 
+def run_now(copy: Callable[[], None]) -> CopyEvent | None:
+    """The default CPU copy runner: copy at once; nothing left to wait for."""
+    copy()
+    return None
+
+
 class BlockMover:
     """Packs and unpacks batches of items for one arena on one device."""
+
+    #: How a CPU copy runs: given the copy, run it (now or later) and return the
+    #: event marking its end, None if it already ran. Tests set a deferring runner.
+    run_cpu_copy: Callable[[Callable[[], None]], CopyEvent | None] = staticmethod(run_now)
 
     def __init__(
         self,
@@ -159,8 +180,8 @@ class BlockMover:
         with nvtx_range("ecoffload.save"):
             sources = list(sources)
             if self.stream is None:
-                self._copy(sources, tables, to_arena=True)
-                return Completion()
+                copy = partial(self._copy, sources, tables, to_arena=True)
+                return Completion(self.run_cpu_copy(copy))
             # The producer's kernels are queued on the caller's stream: copy after them.
             self._fence.record(torch.cuda.current_stream(self.device))
             self.stream.wait_event(self._fence)
@@ -181,8 +202,8 @@ class BlockMover:
         with nvtx_range("ecoffload.load"):
             if self.stream is None:
                 outputs = empty_items(specs, self.device)
-                self._copy(outputs, tables, to_arena=False)
-                return outputs, Completion()
+                copy = partial(self._copy, outputs, tables, to_arena=False)
+                return outputs, Completion(self.run_cpu_copy(copy))
             caller = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self.stream):
                 outputs = empty_items(specs, self.device)  # copy-stream memory: free now

@@ -73,8 +73,29 @@ def test_rejects_bad_sizes(bad):
 
 
 def test_rejects_item_larger_than_arena():
-    with pytest.raises(ItemTooLargeError, match="11 blocks .* has 10"):
+    with pytest.raises(ItemTooLargeError, match="11 blocks .* has 10 in all: give the arena more "
+                       "bytes or do not offload items this large"):  # fmt: skip
         BlockAllocator(10, B).alloc(10 * B + 1)
+
+
+@pytest.mark.parametrize("num_blocks", [0, -3])
+def test_num_blocks_must_be_positive(num_blocks):
+    with pytest.raises(InvalidSizeError, match=f"num_blocks must be positive, got {num_blocks}"):
+        BlockAllocator(num_blocks, B)
+
+
+def test_a_one_block_arena_works():
+    a = BlockAllocator(1, B)
+    assert a.alloc(B) == [Extent(0, 1)] and a.alloc(1) is None
+    a.check()
+
+
+def test_best_fit_takes_an_exact_hole_at_block_0():
+    a = BlockAllocator(10, B)
+    first, _ = a.alloc(3 * B), a.alloc(B)
+    a.free(first)  # holes: (0, 3) and the 6-block tail
+    assert a.alloc(3 * B) == [Extent(0, 3)]
+    a.check()
 
 
 @pytest.mark.parametrize("block_bytes", [0, 1000, 4097])
@@ -83,9 +104,28 @@ def test_block_size_must_be_4k_multiple(block_bytes):
         BlockAllocator(10, block_bytes)
 
 
-def test_free_rejects_out_of_range_extent():
+@pytest.mark.parametrize("extent", [(8, 5), (3, 0), (-1, 2), (2, -1)])
+def test_free_rejects_out_of_range_extent(extent):
+    a = BlockAllocator(10, B)
+    a.alloc(10 * B)
     with pytest.raises(InvalidSizeError, match="outside"):
-        BlockAllocator(10, B).free([Extent(8, 5)])
+        a.free([Extent(*extent)])
+    assert a.free_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "free_extents",
+    [{0: 2, 2: 2}, {1: 2, 2: 3}, {4: 0, 6: 1}],
+    ids=["touching", "overlapping", "empty-extent"],
+)
+def test_check_catches_corrupt_free_lists(free_extents):
+    a = BlockAllocator(10, B)
+    a._by_start = dict(free_extents)
+    a._by_end = {s + c: s for s, c in free_extents.items()}
+    a._by_size = sorted((c, s) for s, c in free_extents.items())
+    a.free_blocks = sum(free_extents.values())
+    with pytest.raises(AssertionError, match="free extents overlap or touch"):
+        a.check()
 
 
 def test_random_churn_keeps_invariants():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ecoffload.engine import arena as arena_mod
-from ecoffload.engine.arena import HEADER_BYTES, Arena
+from ecoffload.engine.arena import ANY_LAYOUT, HEADER_BYTES, Arena, layout_key_text
 from ecoffload.engine.errors import (
     ArenaAttachTimeout,
     ArenaError,
@@ -123,9 +123,12 @@ def test_bad_names_are_refused(arena_dir, name):
 
 
 def test_name_unlinked_once_expected_processes_attached(arena_dir):
-    with create(arena_dir, processes=3) as a, Arena.attach("a", directory=arena_dir):
+    with (
+        create(arena_dir, processes=3) as a,
+        Arena.attach("a", directory=arena_dir, layout_key=KEY),
+    ):
         assert os.path.exists(a.path)
-        with Arena.attach("a", directory=arena_dir) as c:
+        with Arena.attach("a", directory=arena_dir, layout_key=KEY) as c:
             assert not os.path.exists(a.path)  # third process: name gone, mapping stays
             c.host[0] = 7
             assert a.host[0].item() == 7
@@ -139,7 +142,7 @@ def test_single_process_arena_is_unlinked_at_once(arena_dir):
 
 def test_attacher_close_never_unlinks(arena_dir):
     with create(arena_dir) as a:
-        Arena.attach("a", directory=arena_dir).close()
+        Arena.attach("a", directory=arena_dir, layout_key=KEY).close()
         assert os.path.exists(a.path)
 
 
@@ -218,7 +221,7 @@ def test_attach_waits_for_a_creator_that_starts_later(arena_dir):
     child = ctx.Process(target=_child_create_late, args=(arena_dir,))
     child.start()
     try:
-        with Arena.attach("late", directory=arena_dir, timeout_s=30) as b:
+        with Arena.attach("late", directory=arena_dir, layout_key=KEY, timeout_s=30) as b:
             assert b.block_bytes == B
     finally:
         child.join(60)
@@ -268,7 +271,7 @@ def test_creator_that_died_while_initialising_is_detected_without_waiting(arena_
 
 
 def test_every_process_sees_the_same_nonce(arena_dir):
-    with create(arena_dir) as a, Arena.attach("a", directory=arena_dir) as b:
+    with create(arena_dir) as a, Arena.attach("a", directory=arena_dir, layout_key=KEY) as b:
         assert a.nonce == b.nonce != 0
     with create(arena_dir) as c:
         assert c.nonce != a.nonce
@@ -283,7 +286,7 @@ def test_attach_refuses_a_file_of_another_user(arena_dir):
 
 
 def _claim(arena_dir, result):
-    with Arena.attach("a", directory=arena_dir, timeout_s=10) as b:
+    with Arena.attach("a", directory=arena_dir, layout_key=KEY, timeout_s=10) as b:
         try:
             b.claim_ownership()
             result.put("claimed")
@@ -301,3 +304,40 @@ def test_one_catalog_owner_per_arena(arena_dir):
         other.start()
         assert "already has a catalog owner" in result.get(timeout=60)
         other.join(30)
+
+
+def test_attach_without_a_key_refuses_a_keyed_arena(arena_dir):
+    with create(arena_dir):  # made with KEY
+        with pytest.raises(ArenaLayoutMismatch) as err:
+            Arena.attach("a", directory=arena_dir, timeout_s=0.2)
+        assert err.value.field == "layout_key" and err.value.expected == ""
+        with pytest.raises(ArenaLayoutMismatch, match="layout_key"):
+            Arena.create_or_attach("a", directory=arena_dir, block_bytes=B, num_blocks=16)
+        with Arena.attach("a", directory=arena_dir, layout_key=ANY_LAYOUT) as b:
+            assert b.layout_key == layout_key_text(KEY)  # the explicit opt-out maps any key
+        kw = {"directory": arena_dir, "block_bytes": B, "num_blocks": 16}
+        with Arena.create_or_attach("a", layout_key=ANY_LAYOUT, **kw) as c:
+            assert not c.created
+    with Arena.create_or_attach("n", layout_key=ANY_LAYOUT, **kw) as d:
+        assert d.created and d.layout_key == ""
+        with pytest.raises(ArenaLayoutMismatch, match="layout_key"):
+            Arena.attach("n", directory=arena_dir, layout_key=KEY, timeout_s=0.2)
+        with Arena.attach("n", directory=arena_dir) as e:  # no key on either side
+            assert e.layout_key == ""
+    with pytest.raises(ArenaError, match="ANY_LAYOUT is for attach"):
+        create(arena_dir, layout_key=ANY_LAYOUT)
+
+
+def test_attach_refuses_a_header_without_blocks_and_saturates_the_attach_count(arena_dir):
+    # Found by the header fuzzer: block_bytes 0 in a header-sized file escaped as a
+    # ValueError from torch.frombuffer; a full attach counter as a struct.error.
+    with create(arena_dir) as a:
+        struct.pack_into("<I", a._mm, arena_mod._ATTACHED_OFFSET, 2**32 - 1)
+        with Arena.attach("a", directory=arena_dir, layout_key=KEY, timeout_s=0.2) as b:
+            assert b.attached_processes() == 2**32 - 1
+        header = arena_mod.Header(*arena_mod._HEADER.unpack_from(a._mm))
+        arena_mod._HEADER.pack_into(a._mm, 0, *header._replace(block_bytes=0))
+        os.truncate(a.path, HEADER_BYTES)
+        with pytest.raises(ArenaLayoutMismatch) as err:
+            Arena.attach("a", directory=arena_dir, layout_key=KEY, timeout_s=0.2)
+        assert err.value.field == "block_bytes"

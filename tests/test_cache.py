@@ -2,8 +2,11 @@
 
 import pytest
 import torch
+from copy_gate import CopyGate
 
 from ecoffload.engine import OffloadCache
+from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.errors import ItemStateError
 from ecoffload.engine.transfer import BlockMover
 
 B = 4096
@@ -62,6 +65,47 @@ def test_loads_unpin_after_completion(cache):
     cache.load(["img-0"])
     cache.flush()
     assert cache.catalog.entry("img-0").pins == 0
+
+
+def test_a_save_is_invisible_until_its_copy_completes(cache):
+    gate = CopyGate.install(cache.mover)
+    data = items(3)
+    result = cache.save(data)
+    assert result.saved == list(data) and len(gate.in_flight) == 1  # one launch, in flight
+    assert not cache.arena.host.any()  # really in flight: not one byte written yet
+    for _ in range(2):
+        cache.poll()
+        for key in data:
+            assert cache.catalog.state(key) is ItemState.WRITING and key not in cache.catalog
+        assert cache.load(list(data)) == {}  # never served half-written
+    assert cache.save(data).already_cached == list(data)  # being saved: not saved twice
+    cache.flush()  # waits for the copy, then commits
+    assert all(cache.catalog.state(k) is ItemState.READY for k in data)
+    got = cache.load(list(data))
+    gate.complete()
+    assert all(torch.equal(got[k], data[k]) for k in data)
+    assert cache.stats().items_stored == 3
+
+
+def test_a_load_stays_pinned_until_its_copy_completes(cache):
+    data = items(1)
+    cache.save(data)  # synchronous: ready at once
+    gate = CopyGate.install(cache.mover)
+    got = cache.load(["img-0"])
+    for _ in range(2):
+        cache.poll()
+        assert cache.catalog.entry("img-0").pins == 1
+    with pytest.raises(ItemStateError, match="pinned"):
+        cache.catalog.evict("img-0")
+    pressure = cache.save({"big": torch.ones(63 * B + 1, dtype=torch.uint8)})  # needs 64 blocks
+    assert pressure.no_room == ["big"] and cache.catalog.state("img-0") is ItemState.READY
+    assert gate.complete() == 1
+    cache.poll()
+    assert cache.catalog.entry("img-0").pins == 0 and torch.equal(got["img-0"], data["img-0"])
+    assert cache.save({"big": torch.ones(63 * B + 1, dtype=torch.uint8)}).saved == ["big"]
+    gate.complete()
+    cache.flush()
+    assert cache.catalog.state("img-0") is None  # unpinned: evicted by the pressure
 
 
 def test_item_too_big_for_room_left_is_skipped(arena_dir):

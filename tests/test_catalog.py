@@ -178,4 +178,70 @@ def test_pin_many_and_unpin_many_are_all_or_nothing(make):
     assert (c.entry("a").pins, c.entry("b").pins) == (1, 2)
     c.unpin_many(["b", "a", "b"])
     assert [c.entry(k).pins for k in "abc"] == [0, 0, 0]
+
+
+def test_abort_is_not_an_eviction_and_names_itself(make):
+    c = make()
+    c.reserve("a", 3 * B)
+    c.commit("a")
+    with pytest.raises(ItemStateError, match=r"abort\('a'\) needs an item in state 'writing'"):
+        c.abort("a")
+    c.reserve("b", 2 * B)
+    c.abort("b")
+    s = c.stats()
+    assert (s.evictions, s.bytes_evicted, s.items_stored) == (0, 0, 1)
+
+
+def test_check_catches_a_negative_pin_count():
+    c = Catalog(BlockAllocator(10, B))  # the in-process catalog's internals
+    c.reserve("a", B)
+    c.commit("a")
+    c.check()
+    c.entry("a").pins = -1  # as an unbalanced unpin would leave it...
+    c._evictable_blocks -= 1  # ...with the evictable count kept consistent
+    with pytest.raises(AssertionError):
+        c.check()
+
+
+def test_messages_name_the_operation_and_the_way_out(make):
+    c = make()
+    c.reserve("w", B)
+    c.reserve("r", B)
+    c.commit("r")
+    for op, key in (("commit", "r"), ("pin", "w"), ("unpin", "w"), ("evict", "w")):
+        with pytest.raises(ItemStateError, match=rf"^{op}\('{key}'\) needs an item in state"):
+            getattr(c, op)(key)
+    with pytest.raises(DuplicateItemError, match="look it up instead of saving it again, or evict"):
+        c.reserve("r", B)
+
+
+def test_counters_accumulate(make):
+    c = make(blocks=4)
+    assert c.reserve("a", 100).dtype == "uint8"  # the default: a plain byte stream
+    c.commit("a")
+    c.reserve("b", 2 * B)
+    c.commit("b")
+    c.pin("a")
+    c.pin("b")
+    assert c.reserve("big", 4 * B) is None and c.reserve("big", 3 * B) is None
+    c.unpin("a")
+    c.unpin("b")
+    c.evict("a")
+    c.evict("b")
+    s = c.stats()
+    assert (s.items_stored, s.bytes_stored, s.reserve_failures) == (2, 100 + 2 * B, 2)
+    assert (s.evictions, s.bytes_evicted) == (2, 100 + 2 * B)
+
+
+def test_nested_pins_release_the_blocks_once(make):
+    c = make(blocks=4)
+    c.reserve("a", 2 * B)
+    c.commit("a")
+    c.pin("a")
+    c.pin("a")
+    c.unpin("a")
+    assert c.reserve("x", 3 * B) is None  # still pinned once: not evictable
+    c.unpin("a")
+    c.check()
+    assert c.reserve("x", 3 * B) is not None and c.state("a") is None
     c.check()

@@ -1,0 +1,131 @@
+"""Mutation testing with mutmut 3: ``make mutate``, or ``python tests/mutate.py [MODULE...]``.
+
+mutmut names each mutant after its file's path (``src/a/b.py`` -> ``a.b``) and
+needs the tests to import the module under that same dotted name. This
+repository's folders are installed as ``ecoffload.kernels``, ``ecoffload.engine``...
+(setuptools package-dir), so every module is run in a staging copy,
+``.mutate/<module>/``, laid out the way mutmut expects::
+
+    src/ecoffload/{kernels,engine,connector,profiling}/   the package, copied
+    tests/                                                the suite, copied
+    pyproject.toml                                        + [tool.mutmut] for this module
+
+There ``mutmut run`` mutates the one module, runs only the tests listed for it
+below (derandomized hypothesis, CI=1, fewer examples: ECOFFLOAD_MUTATION=1),
+and this script prints the kill rate,
+the time taken and every survivor (``mutmut show NAME`` inside the staging
+folder prints its diff). Results are kept in ``.mutate/`` (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("kernels", "engine", "connector", "profiling")
+CONNECTOR_TESTS = ["tests/test_connector_contract.py", "tests/test_connector_inflight.py"]
+# module -> the fast tests that exercise it
+MODULES: dict[str, list[str]] = {
+    "kernels/plan.py": [
+        "tests/test_plan.py",
+        "tests/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
+        "tests/test_block_copy.py",
+    ],
+    "engine/allocator.py": [
+        "tests/test_allocator.py",
+        "tests/test_catalog.py",
+        "tests/test_catalog_stateful.py",
+    ],
+    "engine/catalog.py": [
+        "tests/test_catalog.py",
+        "tests/test_catalog_stateful.py",
+        "tests/test_cache.py",
+    ],
+    "engine/transfer.py": [
+        "tests/test_cache.py",
+        "tests/test_faults.py::test_cache_writer_killed_mid_copy_never_serves_the_item",
+        "tests/test_faults.py::test_writer_killed_mid_save_never_exposes_the_item",
+    ],
+    "connector/scheduler_side.py": CONNECTOR_TESTS,
+    "connector/worker_side.py": CONNECTOR_TESTS,
+}
+KILLED = {1, 3}
+TIMEOUT = {-24, 24, 36, 152, 255}  # killed by the CPU-time limit: the mutant loops or stalls
+
+
+def stage(module: str) -> Path:
+    root = REPO / ".mutate" / module.replace("/", ".").removesuffix(".py")
+    shutil.rmtree(root, ignore_errors=True)
+    for package in PACKAGES:
+        shutil.copytree(REPO / package, root / "src" / "ecoffload" / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    shutil.copytree(REPO / "tests", root / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    selection = ", ".join(json.dumps(t) for t in MODULES[module])
+    (root / "pyproject.toml").write_text(
+        (REPO / "pyproject.toml").read_text()
+        + "\n[tool.mutmut]\n"
+        + f'source_paths = ["src/ecoffload/{module}"]\n'
+        + 'also_copy = ["src"]\n'
+        + f"pytest_add_cli_args_test_selection = [{selection}]\n"
+        + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:warnings"]\n'
+    )
+    return root
+
+
+def run(module: str, children: int) -> dict:
+    root = stage(module)
+    env = {**os.environ, "CI": "1", "PYTHONSAFEPATH": "1", "ECOFFLOAD_MUTATION": "1"}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
+        cwd=root, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    seconds = time.monotonic() - start
+    (root / "mutmut-run.log").write_text(proc.stdout + proc.stderr)
+    meta = root / "mutants" / "src" / "ecoffload" / f"{module}.meta"
+    if not meta.exists():
+        sys.exit(f"{module}: mutmut produced no results; see {root / 'mutmut-run.log'}")
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    status = Counter(
+        "killed" if c in KILLED else "timeout" if c in TIMEOUT else "survived" if c == 0
+        else f"other {c}" for c in codes.values()
+    )  # fmt: skip
+    survivors = sorted(k for k, c in codes.items() if c not in KILLED | TIMEOUT)
+    return {
+        "module": module,
+        "mutants": len(codes),
+        "killed": status["killed"] + status["timeout"],  # as mutmut scores them
+        "rate": (status["killed"] + status["timeout"]) / max(1, len(codes)),
+        "seconds": round(seconds),
+        "status": dict(status),
+        "survivors": survivors,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", default=list(MODULES), choices=[*MODULES, []])
+    parser.add_argument("--children", type=int, default=2, help="mutants tested at once")
+    args = parser.parse_args()
+    results = [run(module, args.children) for module in args.modules]
+    print(f"{'module':30} {'mutants':>7} {'killed':>7} {'rate':>6} {'time':>7}  status")
+    for r in results:
+        print(f"{r['module']:30} {r['mutants']:7} {r['killed']:7} {r['rate']:6.1%} "
+              f"{r['seconds']:6}s  {r['status']}")  # fmt: skip
+    for r in results:
+        for name in r["survivors"]:
+            print(f"survived: {name}  ({r['module']}, {r['status']})")
+    out = REPO / ".mutate" / f"results-{int(time.time())}.json"
+    out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

