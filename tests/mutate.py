@@ -31,11 +31,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("kernels", "engine", "connector", "profiling")
-CONNECTOR_TESTS = ["tests/test_connector_contract.py", "tests/test_connector_inflight.py"]
+CONNECTOR_TESTS = [
+    "tests/test_connector_contract.py",
+    "tests/test_connector_inflight.py",
+    "tests/test_connector_runners.py",
+]
 # module -> the fast tests that exercise it
 MODULES: dict[str, list[str]] = {
     "kernels/plan.py": [
         "tests/test_plan.py",
+        "tests/test_plan_alignment.py",
+        "tests/test_plan_programs.py",
+        "tests/test_plan_vectorised.py",
+        "tests/test_dma_split.py",
         "tests/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
         "tests/test_block_copy.py",
     ],
@@ -50,6 +58,7 @@ MODULES: dict[str, list[str]] = {
         "tests/test_cache.py",
     ],
     "engine/transfer.py": [
+        "tests/test_transfer_streams.py",  # the CUDA branch, against a recording torch.cuda
         "tests/test_cache.py",
         "tests/test_faults.py::test_cache_writer_killed_mid_copy_never_serves_the_item",
         "tests/test_faults.py::test_writer_killed_mid_save_never_exposes_the_item",

