@@ -30,6 +30,7 @@ from .errors import (
 from .sizes import format_bytes, parse_bytes
 
 _LAZY = {
+    "ANY_LAYOUT": ".arena",
     "Arena": ".arena",
     "BlockMover": ".transfer",
     "Completion": ".transfer",
@@ -45,6 +46,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ANY_LAYOUT",
     "Arena",
     "ArenaAttachTimeout",
     "ArenaError",
