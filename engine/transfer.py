@@ -90,9 +90,10 @@ class Completion:
         return True
 
     def wait(self) -> None:
+        """Block until the copy completes (then as :meth:`done`)."""
         if self._event is not None:
             self._event.synchronize()
-            self._finish()
+            self.done()  # finished only if the event says so (a killed writer's never is)
 
     def _finish(self) -> None:
         event, self._event, self._keep_alive = self._event, None, ()

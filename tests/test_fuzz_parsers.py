@@ -24,7 +24,13 @@ from hypothesis import strategies as st
 
 from ecoffload.connector.config import DEFAULTS, OffloadConfig
 from ecoffload.engine import arena as arena_mod
-from ecoffload.engine.arena import HEADER_BYTES, MAGIC, Arena, process_start_time
+from ecoffload.engine.arena import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAGIC,
+    Arena,
+    process_start_time,
+)
 from ecoffload.engine.errors import (
     ArenaAttachTimeout,
     ArenaError,
@@ -150,7 +156,8 @@ HEADER_CHANGES = [
     ("magic", b"ECOFFLD\x02", 0, ("magic", ArenaLayoutMismatch)),
     ("magic", b"garbage!", 0, ("magic", ArenaLayoutMismatch)),
     ("magic", b"\0" * 8, 0, ("unwritten", ArenaAttachTimeout)),
-    ("version", 2, 0, ("format_version", ArenaLayoutMismatch)),
+    ("version", FORMAT_VERSION + 1, 0, ("format_version", ArenaLayoutMismatch)),
+    ("version", FORMAT_VERSION - 1, 0, ("format_version", ArenaLayoutMismatch)),
     ("version", 0, 0, ("format_version", ArenaLayoutMismatch)),
     ("header_bytes", 512, 0, ("header_bytes", ArenaLayoutMismatch)),
     ("block_bytes", 2 * B, B_ARENA * B, None),  # another block size, file grown to match
@@ -267,7 +274,7 @@ def test_create_writes_the_header_the_fuzzer_changes(arena_dir):
         raw = os.pread(a._fd, HEADER_BYTES, 0)
     header = arena_mod.Header(*arena_mod._HEADER.unpack_from(raw))
     assert header == arena_mod.Header(
-        MAGIC, 1, HEADER_BYTES, 2 * B, 5, HEADER_BYTES, os.getpid(),
+        MAGIC, FORMAT_VERSION, HEADER_BYTES, 2 * B, 5, HEADER_BYTES, os.getpid(),
         process_start_time(os.getpid()), a.nonce, 3, 1, len(LAYOUT), 0, 0,
     )  # fmt: skip
     assert raw[128 : 128 + len(LAYOUT)] == LAYOUT.encode() and not any(raw[128 + len(LAYOUT) :])
