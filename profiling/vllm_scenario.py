@@ -78,6 +78,19 @@ def connector_counts(worker: Any) -> dict[str, int]:
     return get_ec_transfer().side.stats() if has_ec_transfer() else {}
 
 
+def ec_transfer_config(arena_dir: str, *, arena_name: str | None = None) -> dict[str, Any]:
+    """The scenario's connector config: ec_both, a 16 MiB arena of 16 KiB blocks."""
+    extra: dict[str, Any] = {"arena_bytes": "16MiB", "block_bytes": "16KiB", "arena_dir": arena_dir}
+    if arena_name is not None:
+        extra["arena_name"] = arena_name
+    return {
+        "ec_connector": "ECOffloadConnector",
+        "ec_connector_module_path": "ecoffload.connector",
+        "ec_role": "ec_both",
+        "ec_connector_extra_config": extra,
+    }
+
+
 def in_process_scheduler_connector(llm: Any) -> Any:
     """The scheduler's connector when the engine core runs in this process, else None."""
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
@@ -123,16 +136,7 @@ def run_here(
         seed=0,
     )
     if connector:
-        kwargs["ec_transfer_config"] = {
-            "ec_connector": "ECOffloadConnector",
-            "ec_connector_module_path": "ecoffload.connector",
-            "ec_role": "ec_both",
-            "ec_connector_extra_config": {
-                "arena_bytes": "16MiB",
-                "block_bytes": "16KiB",
-                "arena_dir": arena_dir,
-            },
-        }
+        kwargs["ec_transfer_config"] = ec_transfer_config(arena_dir)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     result = ScenarioResult(connector, multiprocess, load_seconds=time.perf_counter() - t0)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .tiny_vlm import SHIM_DIR, build_tiny_paligemma
-from .vllm_scenario import MAX_NUM_BATCHED_TOKENS, make_images
+from .vllm_scenario import MAX_NUM_BATCHED_TOKENS, ec_transfer_config, make_images
 
 SERVED_NAME = "tiny-paligemma"
 # The tiny model has no chat template: user text parts, concatenated (PaliGemma
@@ -57,20 +57,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def ec_transfer_config(arena_dir: str, arena_name: str) -> dict[str, Any]:
-    return {
-        "ec_connector": "ECOffloadConnector",
-        "ec_connector_module_path": "ecoffload.connector",
-        "ec_role": "ec_both",
-        "ec_connector_extra_config": {
-            "arena_bytes": "16MiB",
-            "block_bytes": "16KiB",
-            "arena_dir": arena_dir,
-            "arena_name": arena_name,
-        },
-    }
 
 
 def server_command(
@@ -136,7 +122,7 @@ class Server:
         if connector:
             arena_dir = arena_dir or "/dev/shm"
             arena_name = arena_name or f"ecoffload-serve-{uuid.uuid4().hex[:12]}"
-            transfer = ec_transfer_config(arena_dir, arena_name)
+            transfer = ec_transfer_config(arena_dir, arena_name=arena_name)
         port = free_port()
         log_path = log_path or tempfile.mktemp(prefix="ecoffload-serve-", suffix=".log")
         with open(log_path, "ab") as log:
