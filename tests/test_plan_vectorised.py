@@ -91,3 +91,30 @@ def test_faulty_steps_get_the_loop_planner_s_error(kind, seed):
         finally:
             plan.VECTORISE_FROM = old
     assert errors[0] == errors[1]
+
+
+def args_of(offsets, sizes, tables, total):
+    return (offsets, sizes, tables, B, 2000, total, 2048, 0x7F0000001000, 0x7E0000000000)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_vectorised_pass_itself_agrees_with_the_loop_on_valid_steps(seed):
+    """Not only the final plan: the pass must not quietly hand valid steps to the loop."""
+    args = args_of(*step(seed))
+    fast = plan._segments_vectorised(*args)
+    assert fast is not None, "a valid step was handed to the loop"
+    rows, first_tiles, tiles, vec, total = plan._segments_loop(*args)
+    assert fast[0] == rows and list(fast[1]) == list(first_tiles)
+    assert fast[2:] == (tiles, vec, total)
+
+
+@pytest.mark.parametrize("kind", ["overlap", "too-long", "too-short", "outside"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_vectorised_pass_hands_every_faulty_step_to_the_loop(kind, seed):
+    offsets, sizes, tables, total = step(seed, zero_items=False)
+    bad = corrupt(tables, sizes, kind, random.Random(seed))
+    assert plan._segments_vectorised(*args_of(offsets, sizes, bad, total)) is None
+    item_fault = [list(t) for t in tables]
+    assert plan._segments_vectorised(*args_of(offsets, sizes, item_fault, total)) is not None
+    shifted = [o + 1 for o in offsets]  # an item past the end of the items buffer
+    assert plan._segments_vectorised(*args_of(shifted, sizes, tables, total)) is None
