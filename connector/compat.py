@@ -134,15 +134,6 @@ def worker_processes(vllm_config: Any) -> int:
     return count
 
 
-def arena_suffix(vllm_config: Any) -> str:
-    """``-dp<rank>`` for data-parallel ranks: each has its own scheduler (catalog),
-    while 0.32 gives them all the same ec_transfer_config.engine_id."""
-    parallel = vllm_config.parallel_config
-    if int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1:
-        return ""
-    return f"-dp{int(getattr(parallel, 'data_parallel_rank', 0) or 0)}"
-
-
 def is_writer_rank() -> bool:
     """Whether this worker writes saves: the first pipeline stage's rank 0 of the
     tensor- and prefill-context-parallel groups (the others hold the same

@@ -8,7 +8,11 @@ vLLM at start-up with a message instead of failing a request later.
 | ``arena_bytes`` | ``"4GiB"`` | arena size, a multiple of 4 KiB (rounded down to whole blocks) |
 | ``block_bytes`` | ``"64KiB"`` | block size, a multiple of 4 KiB |
 | ``arena_dir`` | ``"/dev/shm"`` | directory of the arena file (must exist) |
-| ``arena_name`` | ``"ecoffload-<engine_id>"`` | file name (``-dp<rank>`` added per DP rank) |
+| ``arena_name`` | ``"ecoffload-<hash>"`` | file name; every instance (and DP rank) on the |
+|  |  | host giving the same name shares one cache; the default hashes the model and |
+|  |  | dtype, so instances of one model share and other models never meet |
+| ``persistent`` | ``false`` | keep the arena file after the last instance exits: a restart |
+|  |  | finds its items (validated) instead of starting cold |
 | ``num_programs`` | kernel defaults (8 save, 16 load) | persistent programs per launch |
 | ``populate`` | ``"background"`` | ``"background"``: serve at once, blocks usable as pre-faulted; |
 |  |  | ``"eager"``: pre-fault (and register) all before start-up; ``"lazy"``: no pre-fault |
@@ -32,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     "arena_name": None,
     "num_programs": None,
     "populate": "background",
+    "persistent": False,
 }
 
 
@@ -43,6 +48,7 @@ class OffloadConfig:
     arena_name: str
     num_programs: int | None
     populate: str = "background"
+    persistent: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -50,13 +56,10 @@ class OffloadConfig:
 
     @classmethod
     def from_extra_config(
-        cls, extra: Mapping[str, Any] | None, *, engine_id: str, suffix: str = ""
+        cls, extra: Mapping[str, Any] | None, *, default_name: str
     ) -> OffloadConfig:
-        """Validate ``ec_connector_extra_config``; ``engine_id`` names the default arena.
-
-        ``suffix`` is appended to the arena name (e.g. ``-dp1`` for a data-parallel
-        rank, which has its own scheduler and so needs its own arena).
-        """
+        """Validate ``ec_connector_extra_config``; ``default_name`` names the arena
+        when ``arena_name`` is not given."""
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(DEFAULTS))
         if unknown:
@@ -78,13 +81,18 @@ class OffloadConfig:
             raise ConfigError(
                 f"arena_bytes ({arena}) is smaller than one block ({block}): raise arena_bytes"
             )
+        if arena // block >= 1 << 31:
+            raise ConfigError(
+                f"arena_bytes / block_bytes is {arena // block} blocks, the catalog holds at "
+                "most 2**31 - 1: raise block_bytes or lower arena_bytes"
+            )
         arena_dir = values["arena_dir"]
         if not isinstance(arena_dir, str) or not os.path.isdir(arena_dir):
             raise ConfigError(f"arena_dir must be an existing directory, got {arena_dir!r}")
         name = values["arena_name"]
         if name is not None and not isinstance(name, str):
             raise ConfigError(f"arena_name must be a string, got {type(name).__name__} {name!r}")
-        name = (name or f"ecoffload-{engine_id}") + suffix
+        name = name or default_name
         try:
             check_arena_name(name)
         except ArenaError as exc:
@@ -97,4 +105,7 @@ class OffloadConfig:
         populate = values["populate"]
         if populate not in POPULATE_MODES:
             raise ConfigError(f"populate must be one of {list(POPULATE_MODES)}, got {populate!r}")
-        return cls(arena - arena % block, block, arena_dir, name, programs, populate)
+        persistent = values["persistent"]
+        if not isinstance(persistent, bool):
+            raise ConfigError(f"persistent must be true or false, got {persistent!r}")
+        return cls(arena - arena % block, block, arena_dir, name, programs, populate, persistent)

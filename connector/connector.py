@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from ..profiling.nvtx import traced
-from .compat import ECConnectorBase, ECConnectorRole, arena_suffix
+from .compat import ECConnectorBase, ECConnectorRole
 from .config import OffloadConfig
 from .scheduler_side import SchedulerSide
+from .shared_arena import default_arena_name
 from .stats import ECOffloadStats
 from .worker_side import WorkerSide
 
@@ -29,9 +30,7 @@ class ECOffloadConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         transfer = vllm_config.ec_transfer_config
         config = OffloadConfig.from_extra_config(
-            transfer.ec_connector_extra_config,
-            engine_id=str(transfer.engine_id),
-            suffix=arena_suffix(vllm_config),
+            transfer.ec_connector_extra_config, default_name=default_arena_name(vllm_config)
         )
         side = SchedulerSide if role == ECConnectorRole.SCHEDULER else WorkerSide
         self.side: SchedulerSide | WorkerSide = side(vllm_config, config)

@@ -5,15 +5,17 @@ Scheduler -> worker, per step (:class:`ECOffloadMetadata`)::
     step    sequence number; the worker echoes the steps it processed
     arena   the arena file's nonce: a worker that mapped another file refuses
     loads   [(key, extents, nbytes, dtype, shape)]  pinned READY items to unpack
-    saves   {key: (extents, nbytes)}                WRITING reservations to fill
+    saves   {key: (extents, nbytes, generation)}    WRITING reservations to fill (and
+                                                    commit: the generation names the
+                                                    reservation in the shared catalog)
 
 Worker -> scheduler (:class:`ECOffloadWorkerMetadata`, merged across ranks):
 
     steps      metadata steps processed (a shipped step never echoed was
                dropped by vLLM: its reservations are aborted, its pins released)
-    saved      {key: (dtype, shape)}  copy complete: commit
-    not_saved  {key: nbytes}          the worker will never write these: abort
-                                      (nbytes: the real size it saw, or -1)
+    saved      {key: (dtype, shape)}  copy complete; the worker committed it
+    not_saved  {key: nbytes}          never written (aborted if it was reserved);
+                                      nbytes: the real size it saw, or -1
     loaded     {key: ranks}           unpack complete on that many ranks
 """
 
@@ -26,7 +28,7 @@ from .compat import ECConnectorMetadata, ECConnectorWorkerMetadata
 
 Extents = list[tuple[int, int]]
 LoadSpec = tuple[str, Extents, int, str, tuple[int, ...]]
-SaveSpec = tuple[Extents, int]
+SaveSpec = tuple[Extents, int, int]
 
 
 @dataclass

@@ -41,9 +41,8 @@ def register() -> None:
         if is_ecoffload(self):
             from .config import OffloadConfig
 
-            OffloadConfig.from_extra_config(
-                self.ec_connector_extra_config, engine_id=str(self.engine_id)
-            )
+            # The default name needs the model; any valid name checks the rest.
+            OffloadConfig.from_extra_config(self.ec_connector_extra_config, default_name="check")
 
     __post_init__._ecoffload_validates = True  # type: ignore[attr-defined]
     ECTransferConfig.__post_init__ = __post_init__

@@ -33,6 +33,8 @@ USAGE = "arena_usage_perc"  # 1 - blocks_free / blocks_total
 DESCRIPTIONS = {
     "hits": "Encoder outputs found ready in the ecoffload arena (on vLLM's own "
     "encoder-cache misses; not vllm:mm_cache_hits, the input processor's cache).",
+    "hits_from_other_instances": "Hits on encoder outputs another instance on the host "
+    "saved into the shared arena (encoder disaggregation, replicas, a restart).",
     "misses": "Encoder-output lookups in the ecoffload arena that found nothing ready.",
     "items_saved": "Encoder outputs whose copy into the arena completed.",
     "bytes_saved": "Bytes of encoder outputs copied into the arena.",

@@ -1,23 +1,26 @@
-"""Scheduler-side delegate: owns the catalog and plans each step's copies.
+"""Scheduler-side delegate: plans each step's copies against the host's shared catalog.
 
 Per step (all on the scheduler's thread)::
 
-    has_cache_item(key)              READY? pin it now (a promise: nothing may
-                                     evict it before the step's metadata ships)
+    has_cache_item(key)              READY (saved by any instance)? pin it now
+                                     (a promise: nothing may evict it before
+                                     the step's metadata ships)
     update_state_after_alloc(r, i)   promised key -> load this step;
                                      else (producer) reserve blocks -> save
     build_connector_meta()           release unused promises, ship loads + saves
-    update_connector_output(out)     worker reports: commit saved items, abort
-                                     unsaved ones, unpin items every rank loaded
+    update_connector_output(out)     worker reports: count saves the worker
+                                     committed, unpin items every rank loaded
 
-A saved item becomes visible (READY) only when the worker reports its copy
-complete; a loaded item is unpinned only when every tensor-parallel rank has
-reported its unpack complete. Steps whose metadata vLLM dropped (never echoed
-by the worker) have their reservations aborted and their pins released.
-
-Fallback: where the installed vLLM drops worker metadata (an ``ec_producer``
-instance on 0.32's V1 runner), completion can never be confirmed, so nothing
-is saved (a warning says so) rather than serving unconfirmed bytes.
+The catalog lives in the arena file (:mod:`.shared_arena`), so every instance
+on the host that maps it sees every item. The writing worker commits a saved
+item itself, once its copy event has completed (or aborts it), so an item
+becomes visible only with its bytes in place, and an encode-only instance
+publishes items even where vLLM never passes worker reports to its scheduler
+(0.32's V1 runner). A loaded item is unpinned only when every tensor-parallel
+rank has reported its unpack complete. Steps whose metadata vLLM dropped
+(never echoed by the worker) have their reservations aborted and their pins
+released. Reservations and pins belong to this process: if it dies, the
+catalog releases them for the other instances.
 
 Hooks with nothing to do, answered on purpose (see the README's hook table):
 ``ensure_cache_available`` (every promised item is already in the local
@@ -30,22 +33,23 @@ requests; KV freeing is never delayed).
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from typing import Any
 
-from ..engine.allocator import BlockAllocator
-from ..engine.catalog import Catalog, ItemState
+from ..engine.catalog import ItemState
+from ..engine.errors import CatalogError, DuplicateItemError
+from ..engine.shared_catalog import process_start_time
 from ..profiling.nvtx import nvtx_range
 from .compat import (
     encoder_row_bytes,
     idle_steps_reach_worker,
     load_reports_per_step,
     worker_meta_reaches_scheduler,
-    worker_processes,
 )
 from .config import OffloadConfig
 from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata, LoadSpec, SaveSpec
-from .shared_arena import open_shared_arena
+from .shared_arena import open_catalog, open_shared_arena
 from .stats import COUNTERS, ECOffloadStats, delta
 
 log = logging.getLogger(__name__)
@@ -58,24 +62,13 @@ class SchedulerSide:
         self._vllm_config = vllm_config
         self._load_ranks = load_reports_per_step(vllm_config)  # reports that free a load
         self._idle_reports = idle_steps_reach_worker(vllm_config)
-        self.arena = open_shared_arena(
-            config, vllm_config, processes=1 + worker_processes(vllm_config), register_cuda="never"
-        )
-        try:
-            self.arena.claim_ownership()  # one catalog per arena, or blocks get shared
-        except BaseException:
-            self.arena.close()
-            raise
-        self.catalog = Catalog(
-            BlockAllocator(self.arena.num_blocks, self.arena.block_bytes, self.arena.ready_blocks)
-        )
-        self._saves_enabled = self.producer and worker_meta_reaches_scheduler(vllm_config)
-        if self.producer and not self._saves_enabled:
-            log.warning(
-                "ecoffload: this vLLM drops worker metadata for encode-only instances, so "
-                "save completion cannot be confirmed; nothing will be saved. Use ec_role "
-                "'ec_both' (or the V2 model runner) to offload encoder outputs."
-            )
+        # Where worker reports never arrive (an encode-only instance on 0.32's V1
+        # runner) the worker still commits what it saved; the scheduler just
+        # cannot follow (or count) its saves, so it keeps no records of them.
+        self._reports = worker_meta_reaches_scheduler(vllm_config)
+        self.arena = open_shared_arena(config, vllm_config, register_cuda="never")
+        self.catalog = open_catalog(self.arena)
+        self._me = (os.getpid(), process_start_time(os.getpid()) or 0)
         self._step = 0
         self._promised: set[str] = set()
         self._loads: dict[str, LoadSpec] = {}
@@ -85,7 +78,7 @@ class SchedulerSide:
         self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
         self._load_reports: Counter[str] = Counter()  # rank reports not yet turned into unpins
         self._loading: Counter[str] = Counter()  # shipped loads still holding a pin
-        self._writing: set[str] = set()  # reserved for a save, not yet committed or aborted
+        self._writing: dict[str, tuple[int, int]] = {}  # shipped save -> (nbytes, generation)
         self._counts: Counter[str] = Counter()
         self._reported: dict[str, int] = {}
 
@@ -94,9 +87,15 @@ class SchedulerSide:
             return False
         if identifier in self._promised or identifier in self._loads:
             return True
-        if self.catalog.lookup(identifier) is None:
+        entry = self.catalog.lookup(identifier)
+        if entry is None:
             return False
-        self.catalog.pin(identifier)
+        try:
+            self.catalog.pin(identifier)
+        except CatalogError:  # another instance evicted it since the lookup
+            return False
+        if entry.producer != self._me:
+            self._counts["hits_from_other_instances"] += 1
         self._promised.add(identifier)
         return True
 
@@ -108,8 +107,8 @@ class SchedulerSide:
             entry = self.catalog.entry(key)
             self._loads[key] = (key, list(entry.extents), entry.nbytes, entry.dtype, entry.shape)
             return
-        if key in self._loads or not self._saves_enabled or self.catalog.state(key) is not None:
-            return
+        if key in self._loads or not self.producer or self.catalog.state(key) is not None:
+            return  # loading, not ours to save, or saved (or being saved) by any instance
         rows = request.get_num_encoder_embeds(index)
         self._sizes[key] = (feature.modality, rows)
         row_bytes = self._row_bytes.get(feature.modality) or encoder_row_bytes(
@@ -119,13 +118,17 @@ class SchedulerSide:
             return  # size unknown yet: the worker reports it, the next item is saved
         if self.catalog.allocator.ready_blocks < self.arena.num_blocks:  # still populating
             self.catalog.allocator.add_ready(self.arena.ready_blocks)
-        with nvtx_range("ecoffload.reserve"):
-            entry = self.catalog.reserve(key, rows * row_bytes)
+        try:
+            with nvtx_range("ecoffload.reserve"):
+                entry = self.catalog.reserve(key, rows * row_bytes)
+        except DuplicateItemError:
+            return  # another instance started saving it since the state check
         if entry is None:
             self._counts["saves_skipped_no_room"] += 1
             return
-        self._writing.add(key)
-        self._saves[key] = (list(entry.extents), entry.nbytes)
+        self._saves[key] = (list(entry.extents), entry.nbytes, entry.generation)
+        if self._reports:
+            self._writing[key] = (entry.nbytes, entry.generation)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECOffloadMetadata:
         for key in self._promised:  # promised, but vLLM did not schedule the item
@@ -135,8 +138,9 @@ class SchedulerSide:
         meta = ECOffloadMetadata(
             self._step, self.arena.nonce, list(self._loads.values()), dict(self._saves)
         )
-        if self._loads or self._saves:
-            self._shipped[self._step] = (list(self._saves), list(self._loads))
+        if self._loads or (self._saves and self._reports):
+            self._shipped[self._step] = (list(self._saves) if self._reports else [],
+                                         list(self._loads))  # fmt: skip
         self._loading.update(list(self._loads))  # one pin per shipped load
         self._loads, self._saves = {}, {}
         return meta
@@ -146,20 +150,16 @@ class SchedulerSide:
         if not isinstance(report, ECOffloadWorkerMetadata):
             return
         self._settle_steps(report.steps)
-        for key, (dtype, shape) in report.saved.items():
-            if self.catalog.state(key) is ItemState.WRITING:
-                entry = self.catalog.entry(key)
-                entry.dtype, entry.shape = dtype, tuple(shape)
-                self.catalog.commit(key)
-                self._writing.discard(key)
-                self._counts["items_saved"] += 1
-                self._counts["bytes_saved"] += entry.nbytes
-            else:
+        for key in report.saved:  # the worker committed them
+            shipped = self._writing.pop(key, None)
+            if shipped is None:
                 self._counts["unexpected_reports"] += 1
+            else:
+                self._counts["items_saved"] += 1
+                self._counts["bytes_saved"] += shipped[0]
             self._sizes.pop(key, None)
-        for key, nbytes in report.not_saved.items():
-            if self.catalog.state(key) is ItemState.WRITING:
-                self._abort(key)
+        for key, nbytes in report.not_saved.items():  # the worker aborted them
+            if self._writing.pop(key, None) is not None:
                 self._counts["saves_failed"] += 1
             modality, rows = self._sizes.pop(key, (None, 0))
             if modality is not None and rows and nbytes > 0 and nbytes % rows == 0:
@@ -185,17 +185,23 @@ class SchedulerSide:
             if step in processed:
                 continue
             log.debug("ecoffload: step %d metadata was never processed; undoing it", step)
-            for key in saves:
+            for key in saves:  # no worker saw them: nothing writes these blocks
                 self._sizes.pop(key, None)
-                if self.catalog.state(key) is ItemState.WRITING:
-                    self._abort(key)
+                shipped = self._writing.pop(key, None)
+                if shipped is not None:
+                    self._abort(key, shipped[1])
             for key in loads:
                 if self._loading[key]:  # not already released by a (stray) report
                     self._release_load(key)
 
-    def _abort(self, key: str) -> None:
-        self.catalog.abort(key)
-        self._writing.discard(key)
+    def _abort(self, key: str, generation: int) -> None:
+        """Abort our reservation ``generation`` of ``key`` if it is still WRITING."""
+        try:
+            entry = self.catalog.entry(key)
+            if entry.state is ItemState.WRITING and entry.generation == generation:
+                self.catalog.abort(key)
+        except CatalogError:
+            pass  # already gone
 
     def _finish_load(self, key: str) -> None:
         entry = self.catalog.entry(key)
@@ -234,12 +240,15 @@ class SchedulerSide:
         return None  # vLLM freeing its GPU copy changes nothing in the arena
 
     def stats(self) -> dict[str, int | float]:
-        """Cumulative counters (hits, misses, items/bytes saved and loaded, evictions...)
-        and the arena's occupancy and populate progress now (:data:`~.stats.GAUGES`)."""
+        """Cumulative counters of this instance (its hits, misses, items/bytes saved
+        and loaded...; ``evictions`` counts the whole shared arena's) and the
+        arena's occupancy and populate progress now (:data:`~.stats.GAUGES`)."""
         catalog = self.catalog.stats()
         counts = {name: self._counts.get(name, 0) for name in COUNTERS}
-        counts.update(hits=catalog.hits, misses=catalog.misses, evictions=catalog.evictions)
         counts.update(
+            hits=self.catalog.local.hits,
+            misses=self.catalog.local.misses,
+            evictions=catalog.evictions,
             items_resident=catalog.items_resident,
             bytes_resident=catalog.bytes_resident,
             blocks_free=catalog.free_blocks,
@@ -254,4 +263,5 @@ class SchedulerSide:
         return ECOffloadStats(data=changed) if changed else None
 
     def shutdown(self) -> None:
+        self.catalog.close()
         self.arena.close()

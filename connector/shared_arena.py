@@ -1,10 +1,20 @@
-"""The one arena every process of a serving instance maps (scheduler + workers)."""
+"""The arena and catalog every process of every instance on the host maps.
+
+One file per (arena_name, arena_dir): the scheduler and workers of an instance,
+data-parallel ranks and other instances of the same model all open it, and the
+catalog in its metadata region (:class:`~ecoffload.engine.shared_catalog.SharedCatalog`)
+is their one cache. The default name is derived from the layout key, so
+instances of one model share by default and other models never meet.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from ..engine.arena import Arena, RegisterMode
+from ..engine.shared_catalog import SharedCatalog, meta_bytes
 from .config import OffloadConfig
 
 
@@ -18,21 +28,36 @@ def layout_key(vllm_config: Any) -> dict[str, str]:
     }
 
 
-def open_shared_arena(
-    config: OffloadConfig, vllm_config: Any, *, processes: int, register_cuda: RegisterMode
-) -> Arena:
-    """Create the arena, or attach to it if another process of the instance was first.
+def default_arena_name(vllm_config: Any) -> str:
+    """``ecoffload-<12 hex digits of the layout key's hash>``."""
+    text = json.dumps(layout_key(vllm_config), sort_keys=True).encode()
+    return f"ecoffload-{hashlib.sha256(text).hexdigest()[:12]}"
 
-    ``processes`` counts every process that will map it; once all have, the
-    file's name is unlinked, so a crash afterwards leaves nothing in arena_dir.
+
+def open_shared_arena(
+    config: OffloadConfig, vllm_config: Any, *, register_cuda: RegisterMode
+) -> Arena:
+    """Create the host's arena for this model, or join the one another process made.
+
+    The file stays while any process holds it (or always, ``persistent``); a
+    joiner takes the size the first process chose.
     """
-    return Arena.create_or_attach(
+    return Arena.create_or_attach(  # INTERIM until Arena.open_shared lands
         config.arena_name,
         block_bytes=config.block_bytes,
         num_blocks=config.num_blocks,
         layout_key=layout_key(vllm_config),
         directory=config.arena_dir,
-        processes=processes,
         register_cuda=register_cuda,
-        populate=config.populate,
+        populate="eager" if config.populate == "background" else config.populate,
+        meta_bytes=meta_bytes(config.num_blocks, config.block_bytes),
     )
+
+
+def open_catalog(arena: Arena) -> SharedCatalog:
+    """The catalog in ``arena``'s metadata region (closes the arena if it cannot open)."""
+    try:
+        return SharedCatalog.for_arena(arena)
+    except BaseException:
+        arena.close()
+        raise

@@ -6,7 +6,7 @@ over its logging interval and hands the result to the log line and to
 Prometheus (:mod:`.prometheus`). The two sides count disjoint names, so
 merging never counts an event twice:
 
-* :data:`COUNTERS` - the scheduler's (it owns the catalog);
+* :data:`COUNTERS` - the scheduler's (its view of the host's shared catalog);
 * :data:`WORKER_COUNTERS` - the writing worker's (one per instance);
 * :data:`GAUGES` - the scheduler's view of the arena now; a later value
   replaces an earlier one instead of adding to it.
@@ -20,6 +20,7 @@ from .compat import ECConnectorStats
 
 COUNTERS = (
     "hits",
+    "hits_from_other_instances",  # hits on items another instance (process) saved
     "misses",
     "items_saved",
     "bytes_saved",

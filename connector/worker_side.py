@@ -13,10 +13,11 @@ Per step, inside vLLM's bound-metadata window::
 
 Only the writer rank (rank 0 of the tensor- and prefill-context-parallel
 groups, first pipeline stage) writes and reports the worker counters; every
-rank loads. Copies run on the mover's stream; a save is reported only once
-its event has completed, so the scheduler never publishes bytes still in
-flight. V2 runs the same hooks on steps without a forward, which is how
-copies still in flight at the end of traffic get reported.
+rank loads. Copies run on the mover's stream; the writer commits a save in
+the host's shared catalog (making it visible to every instance) only once its
+event has completed, and aborts the reservations it will never fill. V2 runs
+the same hooks on steps without a forward, which is how copies still in
+flight at the end of traffic get committed and reported.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from typing import Any
 import torch
 
 from ..engine.cache import dtype_from_name, dtype_name
-from ..engine.errors import ArenaError
+from ..engine.catalog import ItemState
+from ..engine.errors import ArenaError, CatalogError
 from ..engine.transfer import BlockMover, Completion, split_completed
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
-from .compat import is_writer_rank, worker_device, worker_processes
+from .compat import is_writer_rank, worker_device
 from .config import OffloadConfig
 from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata
-from .shared_arena import open_shared_arena
+from .shared_arena import open_catalog, open_shared_arena
 from .stats import WORKER_COUNTERS, ECOffloadStats, delta
 
 log = logging.getLogger(__name__)
@@ -47,9 +49,8 @@ class WorkerSide:
         self.reports_stats = is_writer_rank()  # one worker per instance counts
         self.writes = self.producer and self.reports_stats
         self.device = worker_device(vllm_config)
-        self.arena = open_shared_arena(
-            config, vllm_config, processes=1 + worker_processes(vllm_config), register_cuda="auto"
-        )
+        self.arena = open_shared_arena(config, vllm_config, register_cuda="auto")
+        self.catalog = open_catalog(self.arena) if self.writes else None  # commits saves
         pack_config, unpack_config = PACK_CONFIG, UNPACK_CONFIG
         if config.num_programs is not None:
             pack_config = LaunchConfig(config.num_programs, PACK_CONFIG.num_warps)
@@ -62,7 +63,8 @@ class WorkerSide:
         self._queued: dict[str, torch.Tensor] = {}
         self._not_saved: dict[str, int] = {}
         self._steps: set[int] = set()
-        self._pending_saves: list[tuple[Completion, dict[str, tuple[str, tuple[int, ...]]]]] = []
+        # (copy, {key: (generation, dtype, shape)}) until the copy completed
+        self._pending_saves: list[tuple[Completion, dict[str, tuple[int, str, tuple]]]] = []
         self._pending_loads: list[tuple[Completion, list[str]]] = []
         self._counts: Counter[str] = Counter()
         self._reported: dict[str, int] = {}
@@ -108,6 +110,8 @@ class WorkerSide:
         if spec is None or tensor.nbytes != spec[1] or not tensor.is_contiguous():
             # No reservation (or a wrong size guess): report the real size so the
             # scheduler reserves correctly next time; the item is recomputed.
+            if spec is not None:
+                self._abort(mm_hash, spec[2])
             self._not_saved[mm_hash] = tensor.nbytes
             return
         self._queued[mm_hash] = tensor
@@ -121,7 +125,7 @@ class WorkerSide:
         self._steps, self._not_saved = set(), {}
         saved, self._pending_saves = split_completed(self._pending_saves)
         for batch in saved:
-            report.saved.update(batch)
+            self._commit(batch, report)
         loaded, self._pending_loads = split_completed(self._pending_loads)
         for keys in loaded:
             report.loaded.update(keys)
@@ -133,8 +137,9 @@ class WorkerSide:
         meta, self._unflushed = self._unflushed, None
         queued, self._queued = self._queued, {}
         if self.writes and meta is not None:
-            for key in meta.saves:
+            for key, (_, _, generation) in meta.saves.items():
                 if key not in queued and key not in self._not_saved:
+                    self._abort(key, generation)
                     self._not_saved[key] = -1  # reserved, but never produced this step
         if not queued:
             return
@@ -142,13 +147,39 @@ class WorkerSide:
             done = self.mover.save(list(queued.values()), [meta.saves[k][0] for k in queued])
         except Exception:  # an offload failure must never fail the request
             log.exception("ecoffload: saving %d encoder outputs failed", len(queued))
-            self._not_saved.update({key: -1 for key in queued})
+            for key in queued:
+                self._abort(key, meta.saves[key][2])
+                self._not_saved[key] = -1
             return
-        saved = {k: (dtype_name(t.dtype), tuple(t.shape)) for k, t in queued.items()}
+        saved = {
+            k: (meta.saves[k][2], dtype_name(t.dtype), tuple(t.shape)) for k, t in queued.items()
+        }
         self._pending_saves.append((done, saved))
         self._counts["save_launches"] += 1
         self._counts["items_saved"] += len(queued)
         self._counts["bytes_saved"] += sum(t.nbytes for t in queued.values())
+
+    def _commit(
+        self, batch: dict[str, tuple[int, str, tuple]], report: ECOffloadWorkerMetadata
+    ) -> None:
+        """Publish saves whose copy completed: READY for every instance on the host."""
+        for key, (generation, dtype, shape) in batch.items():
+            try:
+                self.catalog.commit(key, generation=generation, dtype=dtype, shape=shape)
+            except CatalogError as exc:  # the reservation is gone: never serve these bytes
+                log.warning("ecoffload: not publishing %s: %s", key, exc)
+                self._not_saved[key] = -1
+                continue
+            report.saved[key] = (dtype, shape)
+
+    def _abort(self, key: str, generation: int) -> None:
+        """Give back reservation ``generation`` of ``key``: it will never be filled."""
+        try:
+            entry = self.catalog.entry(key)
+            if entry.state is ItemState.WRITING and entry.generation == generation:
+                self.catalog.abort(key)
+        except CatalogError:
+            pass  # already gone (the scheduler's process died and it was reaped)
 
     def stats(self) -> dict[str, int | float]:
         """This worker's cumulative counters: encoder outputs seen, launches, items
@@ -181,5 +212,10 @@ class WorkerSide:
     def shutdown(self) -> None:
         for done, _ in self._pending_saves + self._pending_loads:
             done.wait()
+        finished = ECOffloadWorkerMetadata()
+        for _, batch in self._pending_saves:  # complete now: publish them
+            self._commit(batch, finished)
         self._pending_saves, self._pending_loads = [], []
+        if self.catalog is not None:
+            self.catalog.close()
         self.arena.close()

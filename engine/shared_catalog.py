@@ -214,10 +214,12 @@ def _alive(pid: int, start: int, cache: dict | None = None) -> bool:
 
 @dataclass
 class SharedEntry(Entry):
-    """An :class:`Entry` snapshot, plus the reservation's slot and generation."""
+    """An :class:`Entry` snapshot, plus the reservation's slot and generation and
+    the process that reserved it (pid, start time): who produced the item."""
 
     slot: int = -1
     generation: int = 0
+    producer: tuple[int, int] = (0, 0)
 
 
 class _AllocatorView:
@@ -463,6 +465,25 @@ class SharedCatalog:
         """How many times a locker found the catalog dirty and rebuilt it."""
         return self._w[H_RECOVERIES]
 
+    @staticmethod
+    def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+        dims = tuple(int(d) for d in shape)
+        if len(dims) > MAX_DIMS:
+            raise CatalogCapacityError(
+                f"shape {dims}: at most {MAX_DIMS} dimensions fit a shared catalog entry"
+            )
+        return dims
+
+    @staticmethod
+    def _dtype_bytes(dtype: str) -> bytes:
+        dt = str(dtype).encode()
+        if len(dt) > DTYPE_BYTES:
+            raise CatalogCapacityError(
+                f"dtype {dtype!r}: a dtype name of at most {DTYPE_BYTES} bytes fits a shared "
+                "catalog entry"
+            )
+        return dt.ljust(DTYPE_BYTES, b"\0")
+
     def _blocks_for(self, nbytes: int) -> int:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
             raise InvalidSizeError(
@@ -515,7 +536,12 @@ class SharedCatalog:
         w, b = self._w, self._sl + s * SLOT_WORDS
         gen = w[b + S_GEN]
         entry = self._desc.get(s)
-        if entry is None or entry.generation != gen:
+        state = w[b + S_STATE]
+        # Rebuilt when the slot was reused, or first seen READY (commit may set
+        # dtype and shape); a READY item never changes again.
+        if entry is None or entry.generation != gen or (
+            entry.state is ItemState.WRITING and state == READY
+        ):
             i, en = self._i, self._en
             extents, e = [], w[b + S_EXT]
             while e >= 0:
@@ -525,10 +551,11 @@ class SharedCatalog:
             key = bytes(self._k[s * mk : s * mk + klen]).decode()
             shape = tuple(w[b + S_DIMS : b + S_DIMS + w[b + S_NDIM]])
             dtype = bytes(self._w[b + S_DTYPE : b + S_DTYPE + 2].cast("B")).rstrip(b"\0").decode()
-            entry = SharedEntry(key, extents, w[b + S_NBYTES], dtype, shape, slot=s, generation=gen)
+            entry = SharedEntry(key, extents, w[b + S_NBYTES], dtype, shape, slot=s,
+                                generation=gen, producer=(w[b + S_PID], w[b + S_START]))  # fmt: skip
             self._desc[s] = entry
         crc = w[b + S_CRC]
-        entry.state = _STATE[w[b + S_STATE]]
+        entry.state = _STATE[state]
         entry.pins = w[b + S_PINS]
         entry.checksum = None if crc < 0 else crc
         return entry
@@ -592,13 +619,8 @@ class SharedCatalog:
                 f"key {key[:40]!r}... is {len(kb)} bytes, this catalog holds keys of at most "
                 f"{self._mkey}: create the arena with a larger max_key_bytes"
             )
-        shape = tuple(int(d) for d in shape)
-        dt = str(dtype).encode()
-        if len(shape) > MAX_DIMS or len(dt) > DTYPE_BYTES:
-            raise CatalogCapacityError(
-                f"shape {shape} / dtype {dtype!r}: at most {MAX_DIMS} dimensions and a dtype "
-                f"name of at most {DTYPE_BYTES} bytes fit a shared catalog entry"
-            )
+        shape = self._dims(shape)
+        dt = self._dtype_bytes(dtype)
         need = self._blocks_for(nbytes)
         h = zlib.crc32(kb)
         self._begin()
@@ -637,7 +659,7 @@ class SharedCatalog:
             w[b + S_DIMS : b + S_DIMS + len(shape)] = memoryview(
                 struct.pack(f"<{len(shape)}q", *shape)
             ).cast("q")
-            w[b + S_DTYPE : b + S_DTYPE + 2] = memoryview(dt.ljust(DTYPE_BYTES, b"\0")).cast("q")
+            w[b + S_DTYPE : b + S_DTYPE + 2] = memoryview(dt).cast("q")
             _fault("reserve:written")
             w[b + S_STATE] = WRITING  # the slot exists from here on
             _fault("reserve:published")
@@ -653,14 +675,24 @@ class SharedCatalog:
         return entry
 
     def commit(
-        self, key: str, checksum: int | None = None, *, generation: int | None = None
+        self,
+        key: str,
+        checksum: int | None = None,
+        *,
+        generation: int | None = None,
+        dtype: str | None = None,
+        shape: tuple[int, ...] | None = None,
     ) -> SharedEntry:
         """WRITING -> READY: the bytes are complete; the item becomes visible.
 
         Any process may commit (the one that wrote the bytes). ``checksum`` (a
         CRC-32 of the bytes) is recorded with the item; ``generation`` (from the
-        reserving entry) refuses to commit a newer reservation of the same key.
+        reserving entry) refuses to commit a newer reservation of the same key;
+        ``dtype``/``shape``, when given, replace what the reservation said (the
+        writer knows them; the process that reserved may not have).
         """
+        dims = self._dims(shape) if shape is not None else None
+        dt = self._dtype_bytes(dtype) if dtype is not None else None
         self._begin()
         try:
             s = self._expect(key, WRITING, "commit")
@@ -670,6 +702,13 @@ class SharedCatalog:
                     f"commit({key!r}): reservation {generation} is gone (the key was "
                     f"reserved again as {w[b + S_GEN]}); the bytes written may be stale"
                 )
+            if dims is not None:
+                w[b + S_NDIM] = len(dims)
+                w[b + S_DIMS : b + S_DIMS + len(dims)] = memoryview(
+                    struct.pack(f"<{len(dims)}q", *dims)
+                ).cast("q")
+            if dt is not None:
+                w[b + S_DTYPE : b + S_DTYPE + 2] = memoryview(dt).cast("q")
             w[b + S_CRC] = -1 if checksum is None else checksum
             tick = w[H_TICK] + 1
             w[H_TICK] = tick

@@ -385,13 +385,13 @@ def test_populate_config_key_is_validated(arena_dir):
     from ecoffload.engine.errors import ConfigError
 
     base = {"arena_dir": arena_dir, "arena_bytes": "1MiB"}
-    assert OffloadConfig.from_extra_config(base, engine_id="e").populate == "background"
+    assert OffloadConfig.from_extra_config(base, default_name="e").populate == "background"
     for mode in ("background", "eager", "lazy"):
-        config = OffloadConfig.from_extra_config({**base, "populate": mode}, engine_id="e")
+        config = OffloadConfig.from_extra_config({**base, "populate": mode}, default_name="e")
         assert config.populate == mode
     for bad in ("Eager", "", None, 1):
         with pytest.raises(ConfigError, match="populate must be one of"):
-            OffloadConfig.from_extra_config({**base, "populate": bad}, engine_id="e")
+            OffloadConfig.from_extra_config({**base, "populate": bad}, default_name="e")
 
 
 def test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness(

@@ -35,6 +35,7 @@ from vllm_harness import (
 
 from ecoffload.connector import ECOffloadConnector, compat
 from ecoffload.connector.metadata import ECOffloadWorkerMetadata
+from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.connector.stats import ECOffloadStats
 from ecoffload.engine import arena as arena_mod
 from ecoffload.engine.errors import ArenaError, ConfigError
@@ -52,41 +53,81 @@ def test_factory_builds_both_roles_from_the_documented_config(arena_dir, model_c
     config = make_config(arena_dir, model_config=model_config)
     assert ECConnectorFactory.get_connector_class(config.ec_transfer_config) is ECOffloadConnector
     sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
-    assert os.listdir(arena_dir) == [f"ecoffload-{config.ec_transfer_config.engine_id}"]
+    name = default_arena_name(config)
+    assert name.startswith("ecoffload-") and os.listdir(arena_dir) == [name]
     worker = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
     assert type(sched.side).__name__ == "SchedulerSide"
     assert type(worker.side).__name__ == "WorkerSide"
-    assert os.listdir(arena_dir) == []  # both processes mapped it: the name is gone
     assert sched.side.arena.num_blocks == 64 and worker.side.arena.block_bytes == 4096
+    assert sched.side.arena.nonce == worker.side.arena.nonce  # one file
     worker.shutdown()
     sched.shutdown()
+    assert os.listdir(arena_dir) == []  # the last process gone: so is the file
 
 
-def test_each_data_parallel_rank_gets_its_own_arena(arena_dir, model_config):
-    names = set()
+def test_the_default_arena_is_one_per_model_and_dtype(tmp_path, model_config):
+    from vllm_harness import tiny_model_config
+
+    same = make_config("/tmp", model_config=model_config)
+    again = make_config("/tmp", model_config=model_config)
+    other = make_config("/tmp", model_config=tiny_model_config(str(tmp_path)))
+    half = make_config("/tmp", model_config=tiny_model_config(model_config.model, "float16"))
+    assert default_arena_name(same) == default_arena_name(again)
+    assert len({default_arena_name(c) for c in (same, other, half)}) == 3
+
+
+def _save(sched, worker, key, rows, seed):
+    schedule(sched, make_request(f"r-{key}", [(key, rows)]))
+    meta = via_pickle(sched.build_connector_meta(SchedulerOutput.make_empty()))
+    report = worker_step(worker, meta, {}, {key: encoder_output(rows, seed)})
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
+
+
+def test_data_parallel_ranks_share_one_cache(arena_dir, model_config):
     config = make_config(arena_dir, model_config=model_config)
     config.parallel_config.data_parallel_size = 2
-    for rank in (0, 1):  # same engine_id for both ranks, as vLLM 0.32 does
-        config.parallel_config.data_parallel_rank = rank
-        sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
-        names.add(os.path.basename(sched.side.arena.path))
-        sched.shutdown()
-    engine_id = config.ec_transfer_config.engine_id
-    assert names == {f"ecoffload-{engine_id}-dp0", f"ecoffload-{engine_id}-dp1"}
-
-
-def test_two_schedulers_never_share_one_arena(arena_dir, model_config):
-    config = make_config(arena_dir, model_config=model_config)
-    first = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+    ranks = []
     try:
-        # In one process the second claim is the same owner; simulate another
-        # process by faking the recorded owner as a live foreign process.
-        arena_mod._OWNER.pack_into(first.side.arena._mm, arena_mod._OWNER_OFFSET, 1, 0)
-        with pytest.raises(ArenaError, match="already has a catalog owner"):
-            ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+        for rank in (0, 1):  # same engine_id for both ranks, as vLLM 0.32 does
+            config.parallel_config.data_parallel_rank = rank
+            ranks.append(make_pair(config))
+        (sched0, worker0), (sched1, worker1) = ranks
+        assert sched0.side.arena.nonce == sched1.side.arena.nonce
+        _save(sched0, worker0, "img", 6, seed=3)
+        assert schedule(sched1, make_request("r2", [("img", 6)])) == [True]  # rank 0's item
+        meta = via_pickle(sched1.build_connector_meta(SchedulerOutput.make_empty()))
+        cache = {}
+        worker_step(worker1, meta, cache, {})
+        assert torch.equal(cache["img"], encoder_output(6, 3))
     finally:
-        first.shutdown()
+        for sched, worker in reversed(ranks):
+            worker.shutdown()
+            sched.shutdown()
     assert os.listdir(arena_dir) == []
+
+
+def test_two_instances_share_blocks_without_overlap(arena_dir, model_config):
+    one = make_pair(make_config(arena_dir, model_config=model_config))
+    two = make_pair(make_config(arena_dir, model_config=model_config))
+    try:
+        for i in range(6):  # interleaved saves of both instances
+            sched, worker = (one, two)[i % 2]
+            _save(sched, worker, f"img-{i}", 5 + i, seed=i)
+        entries = one[0].side.catalog.entries()
+        blocks = [b for e in entries for s, c in e.extents for b in range(s, s + c)]
+        assert len(entries) == 6 and len(blocks) == len(set(blocks))  # no block twice
+        one[0].side.catalog.check()
+        for i in range(6):  # each instance sees every item, byte for byte
+            sched, worker = (two, one)[i % 2]
+            assert schedule(sched, make_request(f"again-{i}", [(f"img-{i}", 5 + i)])) == [True]
+            meta = via_pickle(sched.build_connector_meta(SchedulerOutput.make_empty()))
+            cache = {}
+            worker_step(worker, meta, cache, {})
+            assert torch.equal(cache[f"img-{i}"], encoder_output(5 + i, i))
+    finally:
+        for sched, worker in (two, one):
+            worker.shutdown()
+            sched.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -116,7 +157,7 @@ def test_bad_extra_config_fails_at_start_up(arena_dir, extra, match):
 
 
 def test_arena_larger_than_free_space_fails_at_start_up(arena_dir):
-    config = make_config(arena_dir, arena_bytes="1024TiB")
+    config = make_config(arena_dir, arena_bytes="1024TiB", block_bytes="1GiB")
     with pytest.raises(ArenaError, match="free"):
         ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
     assert os.listdir(arena_dir) == []
@@ -245,21 +286,30 @@ def test_consumer_role_loads_but_never_saves(arena_dir, model_config):
         sched.shutdown()
 
 
-def test_producer_role_never_serves(arena_dir, model_config, caplog):
-    with caplog.at_level(logging.WARNING):
-        sched, worker = make_pair(make_config(arena_dir, "ec_producer", model_config))
+def test_producer_role_never_serves_and_its_worker_publishes_saves(
+    arena_dir, model_config
+):
+    sched, worker = make_pair(make_config(arena_dir, "ec_producer", model_config))
+    consumer, consumer_worker = make_pair(make_config(arena_dir, "ec_consumer", model_config))
     try:
         assert sched.is_producer and not sched.is_consumer
         assert not sched.has_cache_item("anything")
-        # 0.32's V1 runner drops an encode-only instance's worker metadata, so
-        # completion could never be confirmed: the safe rule is to save nothing.
+        # 0.32's V1 runner drops an encode-only instance's worker metadata: the
+        # scheduler never hears of the save, the worker commits it anyway.
         assert not compat.worker_meta_reaches_scheduler(sched._vllm_config)
-        assert "nothing will be saved" in caplog.text
         schedule(sched, make_request("r", [("img", 4)]))
-        assert not sched.build_connector_meta(SchedulerOutput.make_empty()).saves
+        meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert "img" in meta.saves
+        worker_step(worker, meta, {}, {"img": encoder_output(4, 9)})  # report dropped
+        assert not sched.side._writing and not sched.side._shipped  # keeps no records
+        assert schedule(consumer, make_request("c", [("img", 4)])) == [True]
+        cache = {}
+        worker_step(consumer_worker, consumer.build_connector_meta(SchedulerOutput.make_empty()),
+                    cache, {})  # fmt: skip
+        assert torch.equal(cache["img"], encoder_output(4, 9))
     finally:
-        worker.shutdown()
-        sched.shutdown()
+        for s in (consumer_worker, consumer, worker, sched):
+            s.shutdown()
 
 
 def test_only_tensor_parallel_rank_0_writes_and_loads_wait_for_every_rank(

@@ -116,17 +116,22 @@ def test_ec_consumer_loads_and_never_saves(instance, runner):
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_ec_producer_saves_only_where_reports_reach_the_scheduler(instance, runner):
+def test_ec_producer_publishes_saves_once_their_copy_completed(instance, runner, monkeypatch):
     sched, worker = instance("ec_producer", runner)
+    saves = hold_copies(monkeypatch, worker, "save")
     assert not sched.has_cache_item("anything")  # a producer never serves
     schedule(sched, make_request("r", [("img", 4)]))
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())
-    out = worker.step(meta, {"img": encoder_output(4, 7)})
-    deliver(sched, out)
-    if runner == "v2":  # MMEncoderModelRunner passes worker metadata on: saves confirmed
-        assert sched.side.catalog.state("img") is ItemState.READY
-    else:  # V1 drops it: the safe rule saves nothing rather than unconfirmed bytes
-        assert not meta.saves and sched.side.catalog.state("img") is None
+    deliver(sched, worker.step(meta, {"img": encoder_output(4, 7)}))
+    assert sched.side.catalog.state("img") is ItemState.WRITING  # in flight: not visible
+    saves[0].complete = True
+    # The writing worker commits on its next step: V2 runs idle steps; on V1 an
+    # encode-only instance's worker report never reaches the scheduler, but the
+    # commit happens in the worker, so the item is published all the same.
+    deliver(sched, worker.idle_step(sched.build_connector_meta(SchedulerOutput.make_empty()))
+            if runner == "v2" else worker.step(
+                sched.build_connector_meta(SchedulerOutput.make_empty()), {}))  # fmt: skip
+    assert sched.side.catalog.state("img") is ItemState.READY
     assert settled(sched)
 
 

@@ -97,6 +97,8 @@ VALID_VALUES = {
     "arena_name": st.one_of(st.none(), st.from_regex(NAME, fullmatch=True).filter(
         lambda n: ".." not in n)),
     "num_programs": st.one_of(st.none(), st.integers(1, 64)),
+    "populate": st.sampled_from(["background", "eager", "lazy"]),
+    "persistent": st.booleans(),
 }  # fmt: skip
 
 
@@ -119,7 +121,7 @@ def extra_configs(draw):
 def _config_property(case):
     defect, extra = case
     try:
-        config = OffloadConfig.from_extra_config(extra, engine_id="e")
+        config = OffloadConfig.from_extra_config(extra, default_name="e")
     except ConfigError:
         fits = (
             parse_bytes(extra.get("arena_bytes", DEFAULTS["arena_bytes"]))
