@@ -10,7 +10,10 @@ the GPU when vLLM there is a CUDA build).
     python -m ecoffload.profiling.vllm_scenario --connector [--multiprocess]
 
 prints one JSON object: generated token ids per request, encoder runs,
-the connector's counters, time per request.
+the connector's counters, time per request. Several instances can share
+one arena (``--arena-name``): e.g. an ``ec_producer`` that keeps running
+(``--hold-until FILE``) while an ``ec_consumer`` serves its images, or an
+``ec_both`` instance restarted on a ``--persistent`` arena.
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ class ScenarioResult:
     encoder_runs: list[int] = field(default_factory=list)  # per request
     seconds: list[float] = field(default_factory=list)  # per request
     connector_stats: dict[str, int] = field(default_factory=dict)  # the worker's
+    role: str = "ec_both"
     # The scheduler side after the last request (one-process mode only: the
-    # scheduler lives in this process): items still being written, pins held.
+    # scheduler lives in this process): its counters, items still being
+    # written, pins held.
+    scheduler_stats: dict[str, float] = field(default_factory=dict)
     writing_after: int | None = None
     pinned_after: int | None = None
     load_seconds: float = 0.0
@@ -78,15 +84,23 @@ def connector_counts(worker: Any) -> dict[str, int]:
     return get_ec_transfer().side.stats() if has_ec_transfer() else {}
 
 
-def ec_transfer_config(arena_dir: str, *, arena_name: str | None = None) -> dict[str, Any]:
-    """The scenario's connector config: ec_both, a 16 MiB arena of 16 KiB blocks."""
+def ec_transfer_config(
+    arena_dir: str,
+    *,
+    arena_name: str | None = None,
+    role: str = "ec_both",
+    persistent: bool = False,
+) -> dict[str, Any]:
+    """The scenario's connector config: a 16 MiB arena of 16 KiB blocks."""
     extra: dict[str, Any] = {"arena_bytes": "16MiB", "block_bytes": "16KiB", "arena_dir": arena_dir}
     if arena_name is not None:
         extra["arena_name"] = arena_name
+    if persistent:
+        extra["persistent"] = True
     return {
         "ec_connector": "ECOffloadConnector",
         "ec_connector_module_path": "ecoffload.connector",
-        "ec_role": "ec_both",
+        "ec_role": role,
         "ec_connector_extra_config": extra,
     }
 
@@ -119,8 +133,13 @@ def run_here(
     arena_dir: str,
     images: int = DEFAULT_IMAGES,
     repeats: int = DEFAULT_REPEATS,
-) -> ScenarioResult:
-    """Run the scenario in this process (call through :func:`run` for a fresh one)."""
+    order: list[int] | None = None,
+    role: str = "ec_both",
+    arena_name: str | None = None,
+    persistent: bool = False,
+) -> tuple[ScenarioResult, Any]:
+    """Run the scenario in this process (call through :func:`run` for a fresh one);
+    returns the result and the ``LLM`` (still running)."""
     pixtral_alias()
     from vllm import LLM, SamplingParams
 
@@ -136,14 +155,19 @@ def run_here(
         seed=0,
     )
     if connector:
-        kwargs["ec_transfer_config"] = ec_transfer_config(arena_dir)
+        kwargs["ec_transfer_config"] = ec_transfer_config(
+            arena_dir, arena_name=arena_name, role=role, persistent=persistent
+        )
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
-    result = ScenarioResult(connector, multiprocess, load_seconds=time.perf_counter() - t0)
-    pictures = make_images(images)
+    result = ScenarioResult(
+        connector, multiprocess, role=role, load_seconds=time.perf_counter() - t0
+    )
+    order = [*range(images), *range(repeats)] if order is None else order
+    pictures = make_images(max(order, default=-1) + 1)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     before = llm.collective_rpc(count_encoder_runs)[0]
-    for index in [*range(images), *range(repeats)]:
+    for index in order:
         prompt = {"prompt": "describe", "multi_modal_data": {"image": pictures[index]}}
         t0 = time.perf_counter()
         (out,) = llm.generate([prompt], greedy, use_tqdm=False)
@@ -157,10 +181,49 @@ def run_here(
         result.connector_stats = llm.collective_rpc(connector_counts)[0]
         scheduler = in_process_scheduler_connector(llm)
         if scheduler is not None:
+            result.scheduler_stats = scheduler.side.stats()
             entries = scheduler.side.catalog.entries()
             result.writing_after = sum(e.state.value == "writing" for e in entries)
             result.pinned_after = sum(e.pins for e in entries)
-    return result
+    return result, llm
+
+
+def _command(
+    *,
+    connector: bool,
+    multiprocess: bool,
+    model_dir: str,
+    arena_dir: str,
+    order: list[int] | None = None,
+    role: str = "ec_both",
+    arena_name: str | None = None,
+    persistent: bool = False,
+    hold_until: str | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # collective_rpc of our counters
+        PYTHONSAFEPATH="1",  # never import the repository's kernels/ as `kernels`
+        PYTHONPATH=os.pathsep.join(p for p in (SHIM_DIR, env.get("PYTHONPATH")) if p),
+    )
+    cmd = [sys.executable, "-m", "ecoffload.profiling.vllm_scenario", "--json",
+           "--model-dir", model_dir, "--arena-dir", arena_dir, "--role", role]  # fmt: skip
+    for flag, on in (("--connector", connector), ("--multiprocess", multiprocess),
+                     ("--persistent", persistent)):  # fmt: skip
+        if on:
+            cmd.append(flag)
+    if order is not None:
+        cmd += ["--order", ",".join(map(str, order))]
+    if arena_name is not None:
+        cmd += ["--arena-name", arena_name]
+    if hold_until is not None:
+        cmd += ["--hold-until", hold_until]
+    return cmd, env
 
 
 def run(
@@ -170,32 +233,63 @@ def run(
     model_dir: str | None = None,
     arena_dir: str | None = None,
     timeout_s: float = 600,
+    **options: Any,
 ) -> ScenarioResult:
-    """Run the scenario in a fresh Python process and return its result."""
+    """Run the scenario in a fresh Python process and return its result.
+
+    ``options``: ``order`` (image indices to request), ``role``, ``arena_name``,
+    ``persistent`` (see :func:`run_here`).
+    """
     with tempfile.TemporaryDirectory(prefix="ecoffload-scenario-") as tmp:
         model_dir = model_dir or build_tiny_paligemma(os.path.join(tmp, "model"))
-        env = dict(os.environ)
-        env.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            TOKENIZERS_PARALLELISM="false",
-            VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
-            VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # collective_rpc of our counters
-            PYTHONSAFEPATH="1",  # never import the repository's kernels/ as `kernels`
-            PYTHONPATH=os.pathsep.join(p for p in (SHIM_DIR, env.get("PYTHONPATH")) if p),
-        )
-        cmd = [sys.executable, "-m", "ecoffload.profiling.vllm_scenario", "--json",
-               "--model-dir", model_dir, "--arena-dir", arena_dir or tmp]  # fmt: skip
-        if connector:
-            cmd.append("--connector")
-        if multiprocess:
-            cmd.append("--multiprocess")
+        cmd, env = _command(connector=connector, multiprocess=multiprocess, model_dir=model_dir,
+                            arena_dir=arena_dir or tmp, **options)  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         if done.returncode or not lines:
             raise RuntimeError(f"scenario failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         return ScenarioResult(**json.loads(lines[-1]))
+
+
+class Running:
+    """An instance started by :func:`start`: its result once its requests are done;
+    it keeps serving (its arena held) until :meth:`stop`."""
+
+    def __init__(self, proc: subprocess.Popen, release: str) -> None:
+        self.proc, self._release = proc, release
+
+    def result(self, timeout_s: float = 600) -> ScenarioResult:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("{"):
+                return ScenarioResult(**json.loads(line))
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"instance ended without a result:\n{self.proc.stderr.read()[-4000:]}")
+
+    def stop(self, timeout_s: float = 120) -> int:
+        """Let it exit (it checks every 0.1 s); killed if it does not within the bound."""
+        open(self._release, "w").close()
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+
+
+def start(*, model_dir: str, arena_dir: str, release_dir: str, **options: Any) -> Running:
+    """Start an instance with the connector in a fresh process (one-process vLLM)."""
+    release = os.path.join(release_dir, f"release-{time.monotonic_ns()}")
+    cmd, env = _command(connector=True, multiprocess=False, model_dir=model_dir,
+                        arena_dir=arena_dir, hold_until=release, **options)  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    return Running(proc, release)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,18 +298,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--multiprocess", action="store_true")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--arena-dir", default=None)
+    parser.add_argument("--role", default="ec_both",
+                        choices=["ec_both", "ec_producer", "ec_consumer"])  # fmt: skip
+    parser.add_argument("--arena-name", default=None, help="share this arena with other runs")
+    parser.add_argument("--persistent", action="store_true", help="keep the arena file")
+    parser.add_argument("--order", default=None, help="image indices to request, e.g. 0,1,0")
+    parser.add_argument("--hold-until", default=None,
+                        help="after printing the result keep running until this file exists")
     parser.add_argument("--json", action="store_true", help="run here, print one JSON line")
     args = parser.parse_args(argv)
+    order = [int(i) for i in args.order.split(",")] if args.order else None
     if args.json:
         tmp = tempfile.mkdtemp(prefix="ecoffload-scenario-")
-        result = run_here(
+        result, llm = run_here(
             connector=args.connector,
             multiprocess=args.multiprocess,
             model_dir=args.model_dir or build_tiny_paligemma(os.path.join(tmp, "model")),
             arena_dir=args.arena_dir or tmp,
+            order=order,
+            role=args.role,
+            arena_name=args.arena_name,
+            persistent=args.persistent,
         )
-    else:
-        result = run(connector=args.connector, multiprocess=args.multiprocess)
+        print(json.dumps(asdict(result)), flush=True)
+        deadline = time.monotonic() + 900
+        while args.hold_until and not os.path.exists(args.hold_until):
+            if time.monotonic() > deadline:
+                return 1
+            time.sleep(0.1)
+        del llm
+        return 0
+    result = run(connector=args.connector, multiprocess=args.multiprocess, order=order,
+                 role=args.role, arena_name=args.arena_name, persistent=args.persistent)
     print(json.dumps(asdict(result)), flush=True)
     return 0
 
