@@ -124,16 +124,6 @@ def load_reports_per_step(vllm_config: Any) -> int:
     return tp * pcp
 
 
-def worker_processes(vllm_config: Any) -> int:
-    """Worker processes of this instance (data-parallel ranks have their own)."""
-    parallel = vllm_config.parallel_config
-    sizes = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size")
-    count = 1
-    for name in sizes:
-        count *= int(getattr(parallel, name, 1) or 1)
-    return count
-
-
 def is_writer_rank() -> bool:
     """Whether this worker writes saves: the first pipeline stage's rank 0 of the
     tensor- and prefill-context-parallel groups (the others hold the same

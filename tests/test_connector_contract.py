@@ -7,7 +7,6 @@ between vLLM's processes.
 """
 
 import copy
-import logging
 import os
 import tempfile
 
@@ -37,7 +36,6 @@ from ecoffload.connector import ECOffloadConnector, compat
 from ecoffload.connector.metadata import ECOffloadWorkerMetadata
 from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.connector.stats import ECOffloadStats
-from ecoffload.engine import arena as arena_mod
 from ecoffload.engine.errors import ArenaError, ConfigError
 
 

@@ -277,14 +277,6 @@ def test_only_the_first_rank_of_every_parallel_group_writes(monkeypatch, tp, pp,
     assert compat.is_writer_rank() is writes
 
 
-def test_worker_processes_count_every_parallel_dimension(model_config, arena_dir):
-    config = make_config(arena_dir, model_config=model_config)
-    parallel = config.parallel_config
-    parallel.tensor_parallel_size, parallel.pipeline_parallel_size = 2, 3
-    parallel.prefill_context_parallel_size = 2
-    assert compat.worker_processes(config) == 12
-
-
 def test_hooks_with_nothing_to_do_answer_deliberately(instance):
     sched, worker = instance("ec_both", "v2")
     request = make_request("r", [("img", 4)])
