@@ -208,16 +208,25 @@ def _check_extents(
 
 
 def _pieces(
-    remote: list[Extent], rbb: int, local: list[Extent], lbb: int, nbytes: int
+    remote: Sequence[tuple[int, int]],
+    rbb: int,
+    local: Sequence[tuple[int, int]],
+    lbb: int,
+    nbytes: int,
 ) -> Iterator[tuple[int, int, int]]:
     """(remote offset, local offset, length) of the pieces contiguous on both sides,
-    covering the first ``nbytes`` of each side's extent stream."""
+    covering the first ``nbytes`` of each side's extent stream (checked to hold them)."""
     ri = li = 0
-    r_off, r_left = remote[0].start * rbb if remote else 0, remote[0].count * rbb if remote else 0
-    l_off, l_left = local[0].start * lbb if local else 0, local[0].count * lbb if local else 0
+    r_off = r_left = l_off = l_left = 0
     left = nbytes
     cur: list[int] | None = None  # [remote offset, local offset, length] being extended
     while left > 0:
+        if r_left == 0:
+            r_off, r_left = remote[ri][0] * rbb, remote[ri][1] * rbb
+            ri += 1
+        if l_left == 0:
+            l_off, l_left = local[li][0] * lbb, local[li][1] * lbb
+            li += 1
         n = min(r_left, l_left, left)
         if cur is not None and cur[0] + cur[2] == r_off and cur[1] + cur[2] == l_off:
             cur[2] += n
@@ -227,12 +236,6 @@ def _pieces(
             cur = [r_off, l_off, n]
         left -= n
         r_off, r_left, l_off, l_left = r_off + n, r_left - n, l_off + n, l_left - n
-        if r_left == 0 and left > 0:
-            ri += 1
-            r_off, r_left = remote[ri].start * rbb, remote[ri].count * rbb
-        if l_left == 0 and left > 0:
-            li += 1
-            l_off, l_left = local[li].start * lbb, local[li].count * lbb
     if cur is not None:
         yield cur[0], cur[1], cur[2]
 
