@@ -31,14 +31,12 @@ from ecoffload.engine.errors import (
     RemotePeerError,
 )
 from ecoffload.engine.remote import ArenaPeer, PeerCard, Pull, nixl_available
+from ecoffload.profiling.remote_producer import fill_arena
 
 needs_nixl = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"
 )
 POISON = 0xA5
-PRODUCER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_producer.py")
-sys.path.insert(0, os.path.dirname(PRODUCER))
-from remote_producer import fill_arena  # noqa: E402
 
 
 def stream(extents, block_bytes, nbytes):
@@ -235,8 +233,8 @@ def test_bad_reads_are_refused_before_anything_moves(arenas):
 
 def start_producer(arena_dir, block_bytes, num_blocks, seed, env=None):
     proc = subprocess.Popen(
-        [sys.executable, PRODUCER, arena_dir, f"prod-{os.getpid()}", str(block_bytes),
-         str(num_blocks), str(seed)],
+        [sys.executable, "-m", "ecoffload.profiling.remote_producer", arena_dir,
+         f"prod-{os.getpid()}", str(block_bytes), str(num_blocks), str(seed)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONSAFEPATH": "1", **(env or {})},
     )  # fmt: skip

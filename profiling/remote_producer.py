@@ -1,4 +1,4 @@
-"""A producer process for tests/test_remote.py and the remote benchmark.
+"""A producer process for tests/test_remote.py and :mod:`.bench_remote`.
 
 Creates an arena (its name unlinked at once: a SIGKILL leaves no file), fills
 its data area with seeded bytes (``fill_arena``), serves it through an
@@ -6,7 +6,9 @@ ArenaPeer listening on a free port, prints ``CARD <json>`` and then one
 ``NOTIF <agent> <hex message>`` line per notification, until stdin closes.
 NIXL logs to stdout too: readers look for the prefixes.
 
-    python tests/remote_producer.py DIR NAME BLOCK_BYTES NUM_BLOCKS SEED
+    python -m ecoffload.profiling.remote_producer DIR NAME BLOCK_BYTES NUM_BLOCKS SEED
+
+A negative SEED leaves the arena zeroed.
 """
 
 import json
@@ -17,8 +19,8 @@ import time
 
 import torch
 
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.remote import ArenaPeer
+from ..engine.arena import Arena
+from ..engine.remote import ArenaPeer
 
 
 def fill_arena(host: torch.Tensor, seed: int) -> None:
@@ -30,7 +32,7 @@ def fill_arena(host: torch.Tensor, seed: int) -> None:
         host[off : off + n] = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
 
 
-def main(directory: str, name: str, block_bytes: int, num_blocks: int, seed: int) -> None:
+def serve(directory: str, name: str, block_bytes: int, num_blocks: int, seed: int) -> None:
     arena = Arena.create(name, block_bytes=block_bytes, num_blocks=num_blocks,
                          directory=directory, processes=1, register_cuda="never")  # fmt: skip
     if seed >= 0:  # else leave the zeros (benchmarks and kill tests need no contents)
@@ -50,4 +52,4 @@ def main(directory: str, name: str, block_bytes: int, num_blocks: int, seed: int
 
 if __name__ == "__main__":
     d, n, bb, nb, seed = sys.argv[1:6]
-    main(d, n, int(bb), int(nb), int(seed))
+    serve(d, n, int(bb), int(nb), int(seed))
