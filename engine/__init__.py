@@ -25,6 +25,10 @@ from .errors import (
     InvalidSizeError,
     ItemStateError,
     ItemTooLargeError,
+    NixlNotInstalledError,
+    RemoteError,
+    RemoteExtentError,
+    RemotePeerError,
     UnknownItemError,
 )
 from .sizes import format_bytes, parse_bytes
@@ -32,9 +36,13 @@ from .sizes import format_bytes, parse_bytes
 _LAZY = {
     "ANY_LAYOUT": ".arena",
     "Arena": ".arena",
+    "ArenaPeer": ".remote",
     "BlockMover": ".transfer",
     "Completion": ".transfer",
     "OffloadCache": ".cache",
+    "PeerCard": ".remote",
+    "Pull": ".remote",
+    "PullHandle": ".remote",
     "SaveResult": ".cache",
 }
 
@@ -52,6 +60,7 @@ __all__ = [
     "ArenaError",
     "ArenaExistsError",
     "ArenaLayoutMismatch",
+    "ArenaPeer",
     "ArenaStaleError",
     "BlockAllocator",
     "BlockMover",
@@ -68,7 +77,14 @@ __all__ = [
     "ItemState",
     "ItemStateError",
     "ItemTooLargeError",
+    "NixlNotInstalledError",
     "OffloadCache",
+    "PeerCard",
+    "Pull",
+    "PullHandle",
+    "RemoteError",
+    "RemoteExtentError",
+    "RemotePeerError",
     "SaveResult",
     "UnknownItemError",
     "format_bytes",

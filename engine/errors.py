@@ -76,3 +76,19 @@ class UnknownItemError(CatalogError, KeyError):
 
 class ItemStateError(CatalogError):
     """An operation is not allowed in the item's current state or pin count."""
+
+
+class RemoteError(ECOffloadError):
+    """A transfer between hosts' arenas (NIXL) could not be set up or asked for."""
+
+
+class NixlNotInstalledError(RemoteError, ImportError):
+    """The NIXL Python package is not importable."""
+
+
+class RemotePeerError(RemoteError):
+    """A remote arena peer is unknown, unreachable or sent unusable metadata."""
+
+
+class RemoteExtentError(RemoteError, ValueError):
+    """Extents given to a remote read do not fit the arenas or the item sizes."""

@@ -1,0 +1,203 @@
+"""Cross-arena pulls through NIXL beside a same-host arena copy and a plain memcpy.
+
+    python -m ecoffload.profiling.bench_remote [--repeat 10]
+
+A producer process (:mod:`.remote_producer`) serves a 128 MiB arena of 64 KiB
+blocks filled with seeded bytes; this process pulls items into its own arena
+with :meth:`ArenaPeer.read` (one READ per request, polled to completion, the
+notification included) over 127.0.0.1, once with UCX's default transports
+(CMA between processes of one host) and once with ``UCX_TLS=tcp`` (what a
+host without RDMA NICs would use between hosts). Anchors, same bytes, same
+extents, same process: a torch copy of every piece between two arenas, and
+one memcpy of the request's total bytes. Every path's result is checked
+bit-exact against the producer's bytes.
+
+Requests: 16 items x 1 MiB (each one extent on both sides; and the same with
+the consumer's blocks scattered, 256 single-block extents) and 1 item x 64 MiB.
+The last line is a one-line summary (GB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from ..engine.arena import Arena
+from ..engine.remote import ArenaPeer, Pull, _pieces, load_nixl
+from .remote_producer import fill_arena
+
+BLOCK = 64 << 10
+BLOCKS = 2048  # 128 MiB per arena
+SEED = 11
+
+
+def requests() -> dict[str, list[Pull]]:
+    per = (1 << 20) // BLOCK
+    scattered = list(range(16 * per))
+    random.Random(0).shuffle(scattered)
+    return {
+        "16 x 1 MiB": [Pull([(i * per, per)], [(i * per, per)], 1 << 20) for i in range(16)],
+        "16 x 1 MiB, scattered": [
+            Pull([(i * per, per)], [(b, 1) for b in scattered[i * per : (i + 1) * per]], 1 << 20)
+            for i in range(16)
+        ],
+        "1 x 64 MiB": [Pull([(0, 1024)], [(0, 1024)], 64 << 20)],
+    }
+
+
+def expected(src: torch.Tensor, nbytes: int, pulls: list[Pull]) -> torch.Tensor:
+    out = torch.zeros(nbytes, dtype=torch.uint8)
+    for p in pulls:
+        for ro, lo, n in _pieces(p.remote, BLOCK, p.local, BLOCK, p.nbytes):
+            out[lo : lo + n] = src[ro : ro + n]
+    return out
+
+
+def median_s(fn, repeat: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+@contextlib.contextmanager
+def producer(directory: str, env: dict[str, str]):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ecoffload.profiling.remote_producer", directory, "bench-src",
+         str(BLOCK), str(BLOCKS), str(SEED)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env},
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if line.startswith("CARD "):
+                yield json.loads(line[5:])
+                break
+        else:
+            raise RuntimeError(f"the producer exited ({proc.wait()}) before serving")
+    finally:
+        proc.stdin.close()
+        proc.stdout.read()
+        proc.wait(timeout=60)
+
+
+def nixl_rows(label, env, dst, src_ref, reqs, repeat, directory) -> list[dict]:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # UCX reads its configuration when the agent's backend starts
+    try:
+        with (
+            producer(directory, env) as card,
+            ArenaPeer(dst, f"bench-dst-{label}", listen_port=0, host="127.0.0.1") as me,
+        ):
+            t0 = time.perf_counter()
+            name = me.connect(card)
+            connect_s = time.perf_counter() - t0
+            rows = []
+            for case, pulls in reqs.items():
+
+                def pull(pulls=pulls, case=case):
+                    h = me.read(name, pulls, notify=b"bench")
+                    if me.wait(h, timeout_s=60) != "done":
+                        raise RuntimeError(f"{label} {case}: {h.error}")
+                    return h
+
+                dst.host.zero_()
+                s = median_s(pull, repeat)
+                ok = torch.equal(dst.host, expected(src_ref, dst.nbytes, pulls))
+                rows.append(row(case, f"NIXL READ, {label}", pull().descriptors, pulls, s, ok))
+            return rows, connect_s
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def row(case, path, descriptors, pulls, s, ok) -> dict:
+    nbytes = sum(p.nbytes for p in pulls)
+    return {
+        "case": case, "path": path, "descriptors": descriptors, "bytes": nbytes,
+        "ms": s * 1e3, "items_s": len(pulls) / s, "gbs": nbytes / s / 1e9, "ok": ok,
+    }  # fmt: skip
+
+
+def anchor_rows(src: torch.Tensor, dst: Arena, reqs, repeat) -> list[dict]:
+    rows = []
+    for case, pulls in reqs.items():
+        pieces = [pc for p in pulls for pc in _pieces(p.remote, BLOCK, p.local, BLOCK, p.nbytes)]
+
+        def arena_copy(pieces=pieces):
+            for ro, lo, n in pieces:
+                dst.host[lo : lo + n].copy_(src[ro : ro + n])
+
+        dst.host.zero_()
+        s = median_s(arena_copy, repeat)
+        ok = torch.equal(dst.host, expected(src, dst.nbytes, pulls))
+        rows.append(row(case, "torch copy, arena to arena", len(pieces), pulls, s, ok))
+        total = sum(p.nbytes for p in pulls)
+        s = median_s(lambda n=total: ctypes.memmove(dst.host.data_ptr(), src.data_ptr(), n),
+                     repeat)  # fmt: skip
+        rows.append(row(case, "memcpy of the same bytes", 1, pulls, s, True))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=10)
+    args = ap.parse_args(argv)
+    nixl = load_nixl()
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # one INFO line per agent
+    reqs = requests()
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        src = Arena.create("bench-local-src", block_bytes=BLOCK, num_blocks=BLOCKS, directory=d,
+                           register_cuda="never")  # fmt: skip
+        dst = Arena.create("bench-dst", block_bytes=BLOCK, num_blocks=BLOCKS, directory=d,
+                           register_cuda="never")  # fmt: skip
+        with src, dst:
+            fill_arena(src.host, SEED)  # the producer's bytes, for the anchors and the checks
+            rows, connects = [], {}
+            for label, env in (("UCX default (CMA)", {}), ("UCX_TLS=tcp", {"UCX_TLS": "tcp"})):
+                r, connects[label] = nixl_rows(label, env, dst, src.host, reqs, args.repeat, d)
+                rows += r
+            rows += anchor_rows(src.host, dst, reqs, args.repeat)
+    version = getattr(nixl, "__name__", "nixl").split(".")[0]
+    print(f"torch {torch.__version__}, {version}, {os.cpu_count()} CPUs; median of "
+          f"{args.repeat} requests; producer in another process over 127.0.0.1\n")  # fmt: skip
+    print("| request | path | descriptors | bytes | ms | items/s | GB/s | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['path']} | {r['descriptors']} | {r['bytes']:,} | "
+              f"{r['ms']:.2f} | {r['items_s']:,.0f} | {r['gbs']:.2f} | {r['ok']} |")  # fmt: skip
+    print("\nconnect (listener metadata fetch): "
+          + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in connects.items()))  # fmt: skip
+    gbs = {(r["case"], r["path"]): r["gbs"] for r in rows}
+    parts = []
+    for case in reqs:
+        cma = gbs[(case, "NIXL READ, UCX default (CMA)")]
+        tcp = gbs[(case, "NIXL READ, UCX_TLS=tcp")]
+        cp = gbs[(case, "torch copy, arena to arena")]
+        mc = gbs[(case, "memcpy of the same bytes")]
+        parts.append(f"{case}: NIXL {cma:.2f} (CMA) / {tcp:.2f} (tcp), copy {cp:.2f}, "
+                     f"memcpy {mc:.2f}")  # fmt: skip
+    print("\nsummary GB/s: " + "; ".join(parts)
+          + ("" if all(r["ok"] for r in rows) else "; NOT BIT-EXACT"))  # fmt: skip
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
