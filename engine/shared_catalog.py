@@ -542,8 +542,9 @@ class SharedCatalog:
             key = bytes(self._k[s * mk : s * mk + klen]).decode()
             shape = tuple(w[b + S_DIMS : b + S_DIMS + w[b + S_NDIM]])
             dtype = bytes(self._w[b + S_DTYPE : b + S_DTYPE + 2].cast("B")).rstrip(b"\0").decode()
+            producer = (w[b + S_PID], w[b + S_START])
             entry = SharedEntry(key, extents, w[b + S_NBYTES], dtype, shape, slot=s,
-                                generation=gen, producer=(w[b + S_PID], w[b + S_START]))
+                                generation=gen, producer=producer)  # fmt: skip
             self._desc[s] = entry
         crc = w[b + S_CRC]
         entry.state = _STATE[w[b + S_STATE]]
