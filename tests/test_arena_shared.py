@@ -120,7 +120,7 @@ def test_a_non_persistent_file_whose_holders_all_died_is_reclaimed(arena_dir, ca
     h.kill()  # the last holder dies: nobody removes the name
     assert inode(arena_dir) == h.inode
     with caplog.at_level(logging.WARNING), open_shared(arena_dir) as c:
-        assert c.created and (block_of(c, 0) == 0).all()  # a fresh arena (tmpfs may reuse the inode)
+        assert c.created and (block_of(c, 0) == 0).all()  # fresh (tmpfs may reuse the inode)
     assert "every holder crashed" in caplog.text
     assert not os.path.exists(os.path.join(arena_dir, "s"))
 
