@@ -32,6 +32,27 @@ Populate (pre-faulting the data area, so no transfer pays page faults), by mode:
 If the creator dies mid-populate its pid no longer runs, so the file is stale
 (:class:`ArenaStaleError`) and reclaimed by the next ``create_or_attach``.
 
+Shared lifetime (:meth:`Arena.open_shared`, several instances on one host)::
+
+    any process                                   the kernel
+    -----------                                   ----------
+    open: create (O_EXCL) or open by name,        one OFD read lock on header byte
+      then an OFD lock on header byte 112         112 per process holding the file;
+      (a joiner then checks the name still        dropped when it dies
+      names its file, else starts over)
+    close: non-blocking write lock on byte 112:
+      granted = last holder: remove the name
+      (unless persistent); then release
+
+The header's lifetime word (at 104) records the mode and ``persistent`` for
+every process. A file nobody holds is reclaimed (not persistent: its holders
+all crashed) or *warm started* (persistent: validated while the opener holds
+it exclusively); a creator that died before the magic is stale as above. One
+process populates at a time (a write lock on byte 113); whoever opens the
+arena after its populator died resumes from the ready prefix. Plain
+``attach`` maps a shared-lifetime arena without holding it and never calls it
+stale.
+
 With CUDA (and CuPy), each process registers the data area with the driver
 (Portable | Mapped) for itself, chunk by chunk as the ready prefix grows (in a
 background thread; at once for ``eager``), and :meth:`Arena.device_view` is a
@@ -682,8 +703,8 @@ class Arena:
         if done >= self.nbytes:
             return False
         log.warning(
-            "arena %s: its populate stopped at %d of %d MiB (that process is gone); "
-            "this process resumes it", self.path, done >> 20, self.nbytes >> 20,
+            "arena %s: its populate stopped at %.1f of %.1f MiB (that process is gone); "
+            "this process resumes it", self.path, done / 2**20, self.nbytes / 2**20,
         )  # fmt: skip
         start = self._data_offset
         populator = _Populator(self._mm, start, start + self.nbytes, threads, self.path, done)
@@ -738,9 +759,14 @@ class Arena:
     def _release_hold(self) -> None:
         """The last holder (no other read lock on the holders byte) removes the name,
         unless the arena is persistent; joiners waiting meanwhile see it gone and retry."""
-        if _ofd_lock(self._fd, fcntl.F_WRLCK, _HOLDERS_BYTE, wait=False):
-            if not self.lifetime & PERSISTENT:
-                self._unlink()
+        last = _ofd_lock(self._fd, fcntl.F_WRLCK, _HOLDERS_BYTE, wait=False)
+        if last and not self.lifetime & PERSISTENT:
+            self._unlink()
+        # Explicitly: a mapping that outlives close (a tensor still viewing it) keeps
+        # the file description, and so its locks, alive.
+        for byte in (_HOLDERS_BYTE, _POPULATOR_BYTE):
+            _ofd_lock(self._fd, fcntl.F_UNLCK, byte, wait=True)
+        if last:
             kept = self.lifetime & PERSISTENT
             log.debug("arena %s: closed by its last holder, %s", self.path,
                       "kept (persistent)" if kept else "name removed")  # fmt: skip

@@ -277,3 +277,14 @@ def test_a_persistent_arena_whose_populator_died_alone_resumes_at_warm_start(are
         assert c.warm_started and c.ready_blocks == 64  # eager: finished before returning
         assert torch.equal(block_of(c, 63), torch.zeros(B, dtype=torch.uint8))
     assert Arena.remove_shared("s", directory=arena_dir)
+
+
+def test_close_releases_the_hold_even_while_a_view_keeps_the_mapping(arena_dir):
+    a = open_shared(arena_dir)
+    b = open_shared(arena_dir)
+    view = block_of(b, 0)  # keeps b's mapping, and with it b's file description, alive
+    b.close()
+    a.close()  # the last holder now: removes the name
+    assert not os.path.exists(a.path)
+    view.fill_(1)  # the memory itself stays valid until the view goes
+    del view
