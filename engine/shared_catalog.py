@@ -990,6 +990,7 @@ class SharedCatalog:
                 bytes_evicted=w[H_BYTES_EVICTED], reserve_failures=w[H_RESERVE_FAILURES],
                 items_resident=w[H_READY_ITEMS], bytes_resident=w[H_READY_BYTES],
                 free_blocks=w[H_FREE_BLOCKS], largest_free_extent=largest,
+                ready_blocks=w[H_READY_BLOCKS],
             )  # fmt: skip
         finally:
             self._unlock()

@@ -291,7 +291,7 @@ def open_ready(path, blocks, ready_blocks) -> SharedCatalog:
 
 def test_only_blocks_below_the_ready_watermark_are_handed_out(tmp_path):
     c = open_ready(tmp_path / "c", 8, 2)
-    assert (c.allocator.ready_blocks, c.stats().free_blocks) == (2, 2)
+    assert (c.allocator.ready_blocks, c.stats().free_blocks, c.stats().ready_blocks) == (2, 2, 2)
     assert c.reserve("big", 3 * B) is None  # 3 blocks exist, but only 2 are ready
     assert c.reserve("a", B).extents == [(0, 1)] and c.reserve("b", B).extents == [(1, 1)]
     assert c.reserve("c", B) is None
