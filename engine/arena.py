@@ -32,6 +32,27 @@ Populate (pre-faulting the data area, so no transfer pays page faults), by mode:
 If the creator dies mid-populate its pid no longer runs, so the file is stale
 (:class:`ArenaStaleError`) and reclaimed by the next ``create_or_attach``.
 
+Shared lifetime (:meth:`Arena.open_shared`, several instances on one host)::
+
+    any process                                   the kernel
+    -----------                                   ----------
+    open: create (O_EXCL) or open by name,        one OFD read lock on header byte
+      then an OFD lock on header byte 112         112 per process holding the file;
+      (a joiner then checks the name still        dropped when it dies
+      names its file, else starts over)
+    close: non-blocking write lock on byte 112:
+      granted = last holder: remove the name
+      (unless persistent); then release
+
+The header's lifetime word (at 104) records the mode and ``persistent`` for
+every process. A file nobody holds is reclaimed (not persistent: its holders
+all crashed) or *warm started* (persistent: validated while the opener holds
+it exclusively); a creator that died before the magic is stale as above. One
+process populates at a time (a write lock on byte 113); whoever opens the
+arena after its populator died resumes from the ready prefix. Plain
+``attach`` maps a shared-lifetime arena without holding it and never calls it
+stale.
+
 With CUDA (and CuPy), each process registers the data area with the driver
 (Portable | Mapped) for itself, chunk by chunk as the ready prefix grows (in a
 background thread; at once for ``eager``), and :meth:`Arena.device_view` is a
@@ -56,7 +77,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -73,7 +94,7 @@ from .errors import (
 log = logging.getLogger(__name__)
 
 MAGIC = b"ECOFFLD\x01"
-FORMAT_VERSION = 2  # 2: the ready prefix at _READY_OFFSET
+FORMAT_VERSION = 3  # 2: the ready prefix at _READY_OFFSET; 3: the lifetime word at 104
 HEADER_BYTES = 4096
 DEFAULT_DIR = "/dev/shm"
 
@@ -107,6 +128,15 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
 _READY_OFFSET = 96  # uint64 ready_bytes: the faulted prefix of the data area
 _READY = struct.Struct("<Q")
+_LIFETIME_OFFSET = 104  # uint32: 0 (creator / `processes` lifetime) or SHARED_LIFETIME | ...
+_LIFETIME = struct.Struct("<I")
+SHARED_LIFETIME = 1  # made by open_shared: the name lives while any process holds it open
+PERSISTENT = 2  # ... and beyond: the last holder keeps the name (warm restarts)
+# Byte-range locks (Linux open-file-description locks: the kernel drops them when
+# their holder dies) on header bytes that carry no data.
+_HOLDERS_BYTE = 112  # a read lock per process holding a shared-lifetime arena open
+_POPULATOR_BYTE = 113  # a write lock of the one process pre-faulting it
+_FLOCK = struct.Struct("hhqqi4x")
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _POPULATE_CHUNK = 128 << 20  # ~0.1 s of faulting: the first blocks are ready at once
@@ -170,6 +200,10 @@ class Arena:
         self._creator = (header.creator_pid, header.creator_start)
         self.layout_key = bytes(mm[_KEY_OFFSET : _KEY_OFFSET + header.key_len]).decode()
         self.nbytes = header.block_bytes * header.num_blocks
+        self._data_offset = header.data_offset
+        self.lifetime = _LIFETIME.unpack_from(mm, _LIFETIME_OFFSET)[0]
+        self.warm_started = False  # open_shared: this process found it held by nobody
+        self._opener = os.getpid()  # a forked child shares the description, not the hold
         self.host: torch.Tensor | None = torch.frombuffer(
             mm, dtype=torch.uint8, count=self.nbytes, offset=header.data_offset
         )
@@ -210,6 +244,29 @@ class Arena:
                 catalog (``shared_catalog.meta_bytes``); the header's data offset
                 records it, so attach finds it.
         """
+        return cls._new(
+            name, block_bytes=block_bytes, num_blocks=num_blocks, layout_key=layout_key,
+            directory=directory, processes=processes, register_cuda=register_cuda,
+            populate=populate, populate_threads=populate_threads, meta_bytes=meta_bytes,
+            lifetime=0,
+        )  # fmt: skip
+
+    @classmethod
+    def _new(
+        cls,
+        name: str,
+        *,
+        block_bytes: int,
+        num_blocks: int,
+        layout_key: str | Mapping[str, object],
+        directory: str,
+        processes: int,
+        register_cuda: RegisterMode,
+        populate: PopulateMode,
+        populate_threads: int | None,
+        meta_bytes: int,
+        lifetime: int,
+    ) -> Arena:
         check_arena_name(name)
         _check_populate(populate)
         if layout_key is ANY_LAYOUT:
@@ -244,6 +301,10 @@ class Arena:
         mm = None
         try:
             os.fchmod(fd, 0o600)  # the umask may only narrow it; be explicit anyway
+            if lifetime:  # held until close; a joiner that opens it now waits for the header
+                _ofd_lock(fd, fcntl.F_RDLCK, _HOLDERS_BYTE, wait=True)
+                if populate == "background":  # whoever takes over a dead populator needs it
+                    _ofd_lock(fd, fcntl.F_WRLCK, _POPULATOR_BYTE, wait=False)
             os.ftruncate(fd, total)
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             # Who is creating it goes first, so an attacher can tell a creator that
@@ -254,6 +315,7 @@ class Arena:
                 int.from_bytes(os.urandom(8), "little"), processes, 1, len(key), 0, 0,
             )  # fmt: skip
             _HEADER.pack_into(mm, 0, *header)
+            _LIFETIME.pack_into(mm, _LIFETIME_OFFSET, lifetime)
             populator = _Populator(mm, data_offset, total, populate_threads, path)
             if populate == "eager":
                 populator.run()
@@ -354,6 +416,219 @@ class Arena:
                 _unlink_if_inode(stale.path, stale.inode)
         raise ArenaError(f"could not create or attach {name!r}: it keeps changing under us")
 
+    @classmethod
+    def open_shared(
+        cls,
+        name: str,
+        *,
+        block_bytes: int,
+        num_blocks: int | None = None,
+        layout_key: str | Mapping[str, object] = "",
+        directory: str = DEFAULT_DIR,
+        register_cuda: RegisterMode = "auto",
+        populate: PopulateMode = "eager",
+        populate_threads: int | None = None,
+        meta_bytes: int = 0,
+        persistent: bool = False,
+        timeout_s: float = 30.0,
+        on_warm_start: Callable[[Arena], object] | None = None,
+    ) -> Arena:
+        """Create or join a *shared-lifetime* arena: one cache for several instances.
+
+        Its name lives while any process holds it open (creator or not), so an
+        instance may come and go while others keep the cache. Every process that
+        opens it holds an OFD read lock on a header byte until :meth:`close` (or
+        its death: the kernel drops it); the last one to close removes the name,
+        unless ``persistent``. A joiner that finds the name removed under it, or
+        a file nobody holds, starts over:
+
+        * magic not written and its creator dead (died mid-creation or mid eager
+          populate): stale, reclaimed (name removed, a new arena created);
+        * written, nobody holds it, not persistent: every holder crashed; the
+          leftover is reclaimed (warning) and a new arena created;
+        * written, nobody holds it, persistent: a *warm start*: the header is
+          checked, then ``on_warm_start(arena)`` runs while this process still
+          holds the arena exclusively (no other process can finish opening it):
+          validate the catalog there (:meth:`SharedCatalog.verify`).
+          :attr:`warm_started` is then True.
+
+        A populate whose process died is resumed by the next opener (see
+        :meth:`resume_populate`).
+
+        Args:
+            num_blocks: the size if this call creates the file. None only joins
+                (waits up to ``timeout_s`` for a creator); a joiner accepts the
+                existing size whatever it asks (logged at info if it differs).
+            block_bytes, layout_key: must match an existing file
+                (:class:`ArenaLayoutMismatch` naming both values).
+            meta_bytes: the metadata region if this call creates the file.
+            persistent: recorded in the header at creation; a joiner asking
+                otherwise gets an :class:`ArenaError` (every instance must agree).
+            timeout_s: how long to wait for a creator to publish the header.
+
+        Processes that fork after opening share its hold with their parent
+        (one open file description): open it after the fork instead.
+        """
+        check_arena_name(name)
+        _check_populate(populate)
+        if layout_key is ANY_LAYOUT:
+            raise ArenaError("open_shared needs the arena's real layout key, not ANY_LAYOUT")
+        if num_blocks is not None and num_blocks <= 0:
+            raise ArenaError(f"num_blocks must be positive or None (join only), got {num_blocks}")
+        path = os.path.join(directory, name)
+        lifetime = SHARED_LIFETIME | (PERSISTENT if persistent else 0)
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while True:
+            if num_blocks is not None:
+                try:
+                    return cls._new(
+                        name, block_bytes=block_bytes, num_blocks=num_blocks,
+                        layout_key=layout_key, directory=directory, processes=0,
+                        register_cuda=register_cuda, populate=populate,
+                        populate_threads=populate_threads, meta_bytes=meta_bytes,
+                        lifetime=lifetime,
+                    )  # fmt: skip
+                except ArenaExistsError:
+                    pass
+            arena, last = cls._join_shared(
+                path, block_bytes, num_blocks, layout_key, lifetime, register_cuda, populate,
+                populate_threads, on_warm_start,
+            )  # fmt: skip
+            if arena is not None:
+                return arena
+            if time.monotonic() >= deadline:
+                raise ArenaAttachTimeout(
+                    f"no valid shared arena at {path} after {timeout_s:.1f} s ({last}): "
+                    "give num_blocks so this process may create it, start the creating "
+                    "process first, or raise the timeout"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    @classmethod
+    def _join_shared(
+        cls, path, block_bytes, num_blocks, layout_key, lifetime, register_cuda, populate,
+        populate_threads, on_warm_start,
+    ) -> tuple[Arena | None, str]:  # fmt: skip
+        """One try at joining the file at ``path``: the arena, or None and why not."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None, "the file does not exist"
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ArenaError(f"{path} is a symbolic link; refusing to follow it") from None
+            raise
+        mm = arena = None
+        try:
+            st = os.fstat(fd)
+            _check_owner(path, st)
+            # Nobody else holds it (write lock granted)? Then this process decides what
+            # the file is, and joiners wait for that (their read locks block).
+            alone = _ofd_lock(fd, fcntl.F_WRLCK, _HOLDERS_BYTE, wait=False)
+            if not alone:  # blocks only while a last holder closes or a warm start validates
+                _ofd_lock(fd, fcntl.F_RDLCK, _HOLDERS_BYTE, wait=True)
+            if not _names(path, st.st_ino):  # the last holder removed it meanwhile
+                os.close(fd)
+                return None, "its last holder removed the name meanwhile"
+            if not alone:  # the holders may all have gone (or died) meanwhile
+                alone = _ofd_lock(fd, fcntl.F_WRLCK, _HOLDERS_BYTE, wait=False)
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, HEADER_BYTES, 0) if size >= HEADER_BYTES else bytes(HEADER_BYTES)
+            h = Header(*_HEADER.unpack_from(raw))
+            found = _LIFETIME.unpack_from(raw, _LIFETIME_OFFSET)[0]
+            if h.magic not in (MAGIC, b"\0" * 8):
+                raise ArenaLayoutMismatch(path, "magic", MAGIC, h.magic)
+            if h.magic != MAGIC:
+                if alone and h.creator_pid and not creator_alive(h):
+                    log.warning(
+                        "arena %s: its creator (process %d) died before finishing it; "
+                        "reclaiming it", path, h.creator_pid,
+                    )  # fmt: skip
+                    _unlink_if_inode(path, st.st_ino)
+                os.close(fd)
+                return None, "the header is not written yet"
+            if not found & SHARED_LIFETIME:
+                raise ArenaError(
+                    f"{path} was made by Arena.create (its name lives as long as its creator "
+                    "or `processes` count), not by open_shared: use another arena name, or "
+                    "stop the processes using it and remove the file"
+                )
+            if alone and not found & PERSISTENT:
+                log.warning(
+                    "arena %s: no process holds it (every holder crashed) and it is not "
+                    "persistent; reclaiming it", path,
+                )  # fmt: skip
+                _unlink_if_inode(path, st.st_ino)
+                os.close(fd)
+                return None, "a leftover nobody held was reclaimed"
+            if (found & PERSISTENT) != (lifetime & PERSISTENT):
+                raise ArenaError(
+                    f"arena {path} is persistent={bool(found & PERSISTENT)} (set by the "
+                    f"instance that created it), this process asked persistent="
+                    f"{bool(lifetime & PERSISTENT)}: give every instance the same setting, "
+                    "or use another arena name"
+                )
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            _check_header(path, mm, block_bytes, None, layout_key, size)
+            if num_blocks is not None and num_blocks != h.num_blocks:
+                log.info(
+                    "arena %s has %d blocks, this process asked for %d: the first instance "
+                    "decides; using %d", path, h.num_blocks, num_blocks, h.num_blocks,
+                )  # fmt: skip
+            arena = cls(path, fd, mm, created=False)
+        except BaseException:
+            if arena is None:
+                if mm is not None:
+                    mm.close()
+                os.close(fd)
+            raise
+        try:
+            arena.warm_started = alone
+            if alone:
+                log.info("arena %s: warm start of a persistent arena nobody held", path)
+                if on_warm_start is not None:
+                    on_warm_start(arena)
+            arena.resume_populate(populate, populate_threads)
+            if alone:  # a conversion: never waits
+                _ofd_lock(fd, fcntl.F_RDLCK, _HOLDERS_BYTE, wait=True)
+            arena._count_attach()
+            arena._register(register_cuda, populate)
+        except BaseException:
+            arena.close()
+            raise
+        log.info("joined shared arena %s", path)
+        return arena, ""
+
+    @staticmethod
+    def remove_shared(name: str, *, directory: str = DEFAULT_DIR) -> bool:
+        """Remove the name of a shared-lifetime arena (a persistent one, say) that no
+        process holds open; False if there is none. ArenaError while one is held."""
+        path = os.path.join(directory, check_arena_name(name))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        try:
+            _check_owner(path, os.fstat(fd))
+            if not _ofd_lock(fd, fcntl.F_WRLCK, _HOLDERS_BYTE, wait=False):
+                raise ArenaError(f"arena {path} is held open by live processes: close them first")
+            raw = os.pread(fd, HEADER_BYTES, 0)
+            if (
+                len(raw) == HEADER_BYTES
+                and raw[:8] == MAGIC
+                and not (_LIFETIME.unpack_from(raw, _LIFETIME_OFFSET)[0] & SHARED_LIFETIME)
+            ):
+                raise ArenaError(
+                    f"{path} is not a shared-lifetime arena (made by Arena.create): its "
+                    "creator removes it; remove the file by hand if no process uses it"
+                )
+            _unlink_if_inode(path, os.fstat(fd).st_ino)
+        finally:
+            os.close(fd)
+        return True
+
     @property
     def closed(self) -> bool:
         return self._mm is None
@@ -396,10 +671,48 @@ class Arena:
                 return False
             if self._populator is not None and self._populator.failure is not None:
                 return False
-            if self.ready_bytes < self.nbytes and not _alive(*self._creator):
-                return False  # the creator died mid-populate: the rest never comes
+            if self.ready_bytes < self.nbytes and not self._populator_alive():
+                return False  # its populator died mid-populate: the rest never comes
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
+        return True
+
+    def _populator_alive(self) -> bool:
+        if self._populator is not None:
+            return self._populator.failure is None
+        if self.lifetime:  # any process may have taken over: whoever holds the lock
+            return _ofd_locked(self._fd, _POPULATOR_BYTE)
+        return _alive(*self._creator)
+
+    def resume_populate(self, populate: PopulateMode = "background",
+                        threads: int | None = None) -> bool:  # fmt: skip
+        """Take over the pre-faulting of a shared-lifetime arena whose populating
+        process died; True if this process now populates it.
+
+        Only one process populates at a time (a write lock on a header byte that
+        the kernel releases with its holder). ``populate`` "eager" finishes it
+        before returning, otherwise threads continue from the ready prefix.
+        """
+        if not self.lifetime or self._mm is None or self._populator is not None:
+            return False
+        if self.ready_bytes >= self.nbytes:
+            return False
+        if not _ofd_lock(self._fd, fcntl.F_WRLCK, _POPULATOR_BYTE, wait=False):
+            return False  # its populator lives
+        done = self.ready_bytes  # again: it may have finished before dying
+        if done >= self.nbytes:
+            return False
+        log.warning(
+            "arena %s: its populate stopped at %.1f of %.1f MiB (that process is gone); "
+            "this process resumes it", self.path, done / 2**20, self.nbytes / 2**20,
+        )  # fmt: skip
+        start = self._data_offset
+        populator = _Populator(self._mm, start, start + self.nbytes, threads, self.path, done)
+        if populate == "eager":
+            populator.run()
+        else:
+            self._populator = populator
+            populator.start()
         return True
 
     def covers(self, extents: Sequence[tuple[int, int]]) -> bool:
@@ -419,7 +732,7 @@ class Arena:
         """
         if self._mm is None:
             return
-        if self.created:
+        if self.created and not self.lifetime:
             self._unlink()
         self.device = None
         self._stop_workers()  # before unregistering or unmapping what they touch
@@ -439,7 +752,24 @@ class Arena:
                 "when they are freed",
                 self.path,
             )
-        os.close(self._fd)
+        if self.lifetime and os.getpid() == self._opener:
+            self._release_hold()
+        os.close(self._fd)  # drops this process's locks
+
+    def _release_hold(self) -> None:
+        """The last holder (no other read lock on the holders byte) removes the name,
+        unless the arena is persistent; joiners waiting meanwhile see it gone and retry."""
+        last = _ofd_lock(self._fd, fcntl.F_WRLCK, _HOLDERS_BYTE, wait=False)
+        if last and not self.lifetime & PERSISTENT:
+            self._unlink()
+        # Explicitly: a mapping that outlives close (a tensor still viewing it) keeps
+        # the file description, and so its locks, alive.
+        for byte in (_HOLDERS_BYTE, _POPULATOR_BYTE):
+            _ofd_lock(self._fd, fcntl.F_UNLCK, byte, wait=True)
+        if last:
+            kept = self.lifetime & PERSISTENT
+            log.debug("arena %s: closed by its last holder, %s", self.path,
+                      "kept (persistent)" if kept else "name removed")  # fmt: skip
 
     def _stop_workers(self) -> None:
         workers = (self._registrar, self._populator)
@@ -550,8 +880,8 @@ class Arena:
             while registrar.end < nbytes:
                 registrar.step(_read_ready(mm, nbytes))
                 if registrar.end < nbytes:
-                    if not _alive(*self._creator):  # its populate will never finish
-                        raise ArenaError("the creating process died before populating it")
+                    if not self._populator_alive():  # its populate will never finish
+                        raise ArenaError("the populating process died before populating it")
                     time.sleep(0.005)
             if mode == "always" and registrar.first_error is not None:
                 raise registrar.first_error
@@ -581,10 +911,13 @@ class _Populator:
     """Faults a data area chunk by chunk, in order, with bounded threads (``madvise``
     drops the GIL), publishing the ready prefix into the header as it grows."""
 
-    def __init__(self, mm: mmap.mmap, start: int, end: int, threads: int | None, path: str) -> None:
+    def __init__(
+        self, mm: mmap.mmap, start: int, end: int, threads: int | None, path: str, done: int = 0
+    ) -> None:
         self._mm, self._start, self._end, self._path = mm, start, end, path
+        self._done = done  # resumed: bytes [start, start + done) were faulted already
         step = _POPULATE_CHUNK
-        self._chunks = [(o, min(step, end - o)) for o in range(start, end, step)]
+        self._chunks = [(o, min(step, end - o)) for o in range(start + done, end, step)]
         if threads is None:
             threads = 1 if end - start < _PARALLEL_POPULATE_BYTES else min(8, os.cpu_count() or 1)
         self.threads = max(1, min(threads, len(self._chunks)))
@@ -672,12 +1005,12 @@ class _Populator:
         return True
 
     def _ready(self) -> int:
-        return 0 if not self._prefix else sum(self._chunks[self._prefix - 1]) - self._start
+        return self._done if not self._prefix else sum(self._chunks[self._prefix - 1]) - self._start
 
     def _progress(self, ready: int) -> None:
         now, total = time.monotonic(), self._end - self._start
         elapsed = max(now - self._t0, 1e-9)
-        rate = ready / elapsed
+        rate = (ready - self._done) / elapsed
         if ready == total:
             self.seconds = elapsed
             log.log(
@@ -854,6 +1187,9 @@ def _wait_for_header(path: str, deadline: float, timeout_s: float) -> tuple[int,
                     if header.magic not in (MAGIC, b"\0" * 8):
                         mm.close()
                         raise ArenaLayoutMismatch(path, "magic", MAGIC, header.magic)
+                    shared = _LIFETIME.unpack_from(mm, _LIFETIME_OFFSET)[0] & SHARED_LIFETIME
+                    if header.magic == MAGIC and shared:
+                        return fd, mm  # lives while any holder does, creator or not
                     if header.creator_pid and not creator_alive(header):
                         mm.close()
                         raise ArenaStaleError(path, st.st_ino, header.creator_pid)
@@ -958,3 +1294,29 @@ def _unlink_if_inode(path: str, inode: int) -> None:
             os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _ofd_lock(fd: int, kind: int, byte: int, *, wait: bool) -> bool:
+    """Set (``F_RDLCK``/``F_WRLCK``) or drop (``F_UNLCK``) this description's lock on
+    one byte; without ``wait``, False when another description's lock conflicts."""
+    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    try:
+        fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
+    except OSError as exc:
+        if not wait and exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _ofd_locked(fd: int, byte: int) -> bool:
+    """Whether another open file description holds a lock on ``byte``."""
+    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
+
+
+def _names(path: str, inode: int) -> bool:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino == inode
+    except FileNotFoundError:
+        return False

@@ -25,8 +25,12 @@ process, sees the same items::
     a.save({"img-1": t1}); a.flush()
     b.load(["img-1"])                                                        # a hit
 
-The name stays while the creating cache is open; the file goes when the last
-process unmaps it.
+The arena has a shared lifetime (:meth:`Arena.open_shared`): its name stays
+while any cache holds it open, whichever created it, and goes with the last
+close. ``persistent=True`` keeps it after the last close too; the next cache to
+open it, finding nobody else holding it, validates the catalog first
+(:meth:`SharedCatalog.verify`: structure, dead processes' reservations, and the
+CRC-32 of every item saved with one, i.e. in integrity mode).
 
 Integrity mode (``integrity=True``, off by default): when a save completes,
 the CRC-32 of the item's bytes in the arena is recorded; ``load`` waits for
@@ -118,28 +122,33 @@ class OffloadCache:
         populate: PopulateMode = "eager",
         shared: bool = False,
         max_items: int | None = None,
+        persistent: bool = False,
     ) -> OffloadCache:
         """A new cache over a new arena of (at most) ``arena_bytes`` bytes.
 
         ``populate="background"`` returns at once; saves use the blocks populated
         so far (see :class:`~ecoffload.engine.arena.Arena`).
 
-        ``shared=True``: create the arena, or attach to the one another cache
-        created under this name (same sizes and layout key), with the catalog in
-        the arena file (``max_items``: its item table, default one per block).
-        The shared catalog hands out every block, so it needs ``populate``
-        "eager" or "lazy" (it does not follow a background ready prefix yet).
+        ``shared=True``: create the arena, or join the one another cache opened
+        under this name (same block size and layout key; the first one decides
+        the size), with the catalog in the arena file (``max_items``: its item
+        table, default one per block). The catalog hands out ready blocks only,
+        so every populate mode works. ``persistent``: keep the arena after the
+        last cache closes (every cache on the name must agree); a cache that
+        opens it with nobody else holding it verifies the catalog first.
         """
         block = parse_bytes(block_bytes, name="block_bytes")
         total = parse_bytes(arena_bytes, name="arena_bytes")
+        if persistent and not shared:
+            raise ValueError("persistent=True needs shared=True: only a shared arena outlives it")
         if shared:
-            if populate == "background":
-                raise ValueError(
-                    "shared=True needs populate='eager' or 'lazy': the shared catalog does "
-                    "not follow a background populate's ready prefix yet"
-                )
             num_blocks = max(1, total // block)
-            arena = Arena.create_or_attach(
+
+            def verify(arena: Arena) -> None:  # runs while no other process can open it
+                with SharedCatalog.for_arena(arena, max_items=max_items) as catalog:
+                    catalog.verify(arena.host.numpy())
+
+            arena = Arena.open_shared(
                 name,
                 block_bytes=block,
                 num_blocks=num_blocks,
@@ -148,6 +157,8 @@ class OffloadCache:
                 register_cuda=register_cuda,
                 populate=populate,
                 meta_bytes=meta_bytes(num_blocks, block, max_items),
+                persistent=persistent,
+                on_warm_start=verify,
             )
             try:
                 catalog = SharedCatalog.for_arena(arena, max_items=max_items)

@@ -11,7 +11,8 @@ every READY item.
 Layout of the region (little endian; ``layout()`` computes the offsets)::
 
     header      1 KiB: magic, version, sizes, dirty marker, recovery count, LRU
-                ends, free lists, counters, the heads of 64 free-extent lists
+                ends, free lists, counters, the ready watermark, the heads of 64
+                free-extent lists
     buckets     hash table: one int64 slot index per bucket (power of two >= max_items)
     slots       max_items x 32 int64: state, hash chain, LRU links, use tick,
                 nbytes, blocks, first extent, pins, first pin record, owner
@@ -46,6 +47,12 @@ derived structure from the slot table (:meth:`SharedCatalog.recover`), so a
 SIGKILL at any point leaves no block owned twice, no block lost and no
 half-written item visible.
 
+Readiness: the arena may still be pre-faulting (background populate), so
+only blocks below the header's *ready watermark* are ever free or owned;
+:meth:`SharedCatalog.add_ready` raises it (monotonic, idempotent) and frees
+the newly ready blocks, coalescing with a free tail. Blocks at or above it
+are neither free nor lost, for recovery and ``check`` alike.
+
 Ownership: a WRITING item belongs to the process that reserved it and a pin to
 the process that took it, each recorded as (pid, start time from /proc); when
 that process is gone (checked at recovery, at open, and when space runs out)
@@ -57,6 +64,7 @@ Plain Python on purpose: no torch import; numpy only in recovery and ``check``.
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -81,8 +89,10 @@ from .errors import (
     UnknownItemError,
 )
 
+log = logging.getLogger(__name__)
+
 MAGIC = int.from_bytes(b"ECOCAT\x00\x01", "little")
-VERSION = 1
+VERSION = 2  # 2: the ready watermark (word H_READY_BLOCKS)
 HEADER_BYTES = 1024
 SLOT_WORDS = 32
 PIN_WORDS = 5
@@ -95,7 +105,7 @@ DEFAULT_MAX_KEY_BYTES = 256
  H_MAX_PINS, H_BUCKETS, H_DIRTY, H_RECOVERIES, H_TICK, H_GEN, H_LRU_HEAD, H_LRU_TAIL,
  H_SLOT_FREE, H_PIN_FREE, H_FREE_BLOCKS, H_EVICTABLE, H_ITEMS, H_READY_ITEMS, H_READY_BYTES,
  H_MASK, H_HITS, H_MISSES, H_EVICTIONS, H_STORED, H_BYTES_STORED, H_BYTES_EVICTED,
- H_RESERVE_FAILURES) = range(30)  # fmt: skip
+ H_RESERVE_FAILURES, H_READY_BLOCKS) = range(31)  # fmt: skip
 H_CLASSES = 64  # 64 heads of the free-extent size-class lists
 NUM_CLASSES = 64
 
@@ -219,7 +229,7 @@ class SharedEntry(Entry):
 
     slot: int = -1
     generation: int = 0
-    producer: tuple[int, int] = (0, 0)
+    producer: tuple[int, int] = (0, 0)  # (pid, start time) of the reserving process
 
 
 class _AllocatorView:
@@ -240,11 +250,11 @@ class _AllocatorView:
 
     @property
     def ready_blocks(self) -> int:
-        """Every block: the shared catalog does not follow a background populate yet."""
-        return self.num_blocks
+        """The catalog's ready watermark: blocks below it may be handed out."""
+        return self._c._w[H_READY_BLOCKS]
 
     def add_ready(self, ready_blocks: int) -> int:
-        return 0
+        return self._c.add_ready(ready_blocks)
 
     def blocks_for(self, nbytes: int) -> int:
         return self._c._blocks_for(nbytes)
@@ -264,6 +274,9 @@ class SharedCatalog:
             an unformatted (all-zero) region is formatted with it, a formatted
             one must match it (:class:`ArenaLayoutMismatch` otherwise). None
             accepts what the region records.
+        ready_blocks: the ready watermark an unformatted region starts with
+            (default every block); ignored by a formatted one (see
+            :meth:`add_ready`).
     """
 
     def __init__(
@@ -277,6 +290,7 @@ class SharedCatalog:
         max_items: int | None = None,
         max_key_bytes: int | None = None,
         max_pins: int | None = None,
+        ready_blocks: int | None = None,
         path: str = "",
     ) -> None:
         if offset % mmap.PAGESIZE:
@@ -309,7 +323,7 @@ class SharedCatalog:
                         f"the catalog needs a region of {layout.nbytes} bytes, got {size}: "
                         "size the region with shared_catalog.meta_bytes(...)"
                     )
-                self._format(layout)
+                self._format(layout, layout.num_blocks if ready_blocks is None else ready_blocks)
             self._bind()
             found = (self.layout.num_blocks, self.layout.block_bytes, self.layout.max_items,
                      self.layout.max_key_bytes, self.layout.max_pins)  # fmt: skip
@@ -338,6 +352,7 @@ class SharedCatalog:
                 f"arena {arena.path} has no metadata region: create it with "
                 "meta_bytes=shared_catalog.meta_bytes(...)"
             )
+        layout.setdefault("ready_blocks", arena.ready_blocks)
         return cls(arena.fileno(), arena.meta_offset, arena.meta_bytes,
                    num_blocks=arena.num_blocks, block_bytes=arena.block_bytes,
                    path=arena.path, **layout)  # fmt: skip
@@ -417,7 +432,7 @@ class SharedCatalog:
             self._w[H_DIRTY] = 0
         self._unlock()
 
-    def _format(self, lay: Layout) -> None:
+    def _format(self, lay: Layout, ready_blocks: int) -> None:
         w = memoryview(self._mm).cast("q")
         try:
             w[H_MAGIC] = 0
@@ -425,7 +440,8 @@ class SharedCatalog:
             for i, v in ((H_VERSION, VERSION), (H_META_BYTES, lay.nbytes),
                          (H_NUM_BLOCKS, lay.num_blocks), (H_BLOCK_BYTES, lay.block_bytes),
                          (H_MAX_ITEMS, lay.max_items), (H_MAX_KEY, lay.max_key_bytes),
-                         (H_MAX_PINS, lay.max_pins), (H_BUCKETS, lay.buckets)):  # fmt: skip
+                         (H_MAX_PINS, lay.max_pins), (H_BUCKETS, lay.buckets),
+                         (H_READY_BLOCKS, max(0, min(ready_blocks, lay.num_blocks)))):  # fmt: skip
                 w[i] = v
             w[H_DIRTY] = self._pid  # formatted by the recovery below
             w[H_MAGIC] = MAGIC
@@ -898,6 +914,101 @@ class SharedCatalog:
         finally:
             self._unlock()
 
+    def add_ready(self, ready_blocks: int) -> int:
+        """Blocks ``[0, ready_blocks)`` are pre-faulted: raise the ready watermark and
+        free the newly ready blocks (coalescing with a free tail).
+
+        Monotonic and idempotent (a lower or equal value changes nothing, without
+        taking the lock); returns how many blocks became ready.
+        """
+        new = min(int(ready_blocks), self.layout.num_blocks)
+        if new <= self._w[H_READY_BLOCKS]:  # the common case, lock-free: it only grows
+            return 0
+        self._begin()
+        try:
+            w = self._w
+            old = w[H_READY_BLOCKS]
+            added = max(0, new - old)
+            if added:
+                self._free_extent(old, added)  # derived first: recovery trusts the watermark
+                _fault("add_ready:freed")
+                w[H_READY_BLOCKS] = new
+        except BaseException:
+            self._end(False)
+            raise
+        self._end()
+        return added
+
+    def verify(self, data) -> int:
+        """Validate the catalog against the arena's bytes before use (warm restart of
+        a persistent arena); returns how many items were dropped.
+
+        Rebuilds every derived structure from the slot table first (as
+        :meth:`recover`: slots that do not parse are freed, reservations and pins
+        of dead processes released), then recomputes the CRC-32 of every READY
+        item that has one recorded (``commit(checksum=)``) and drops those that
+        differ. A mismatching item pinned by a live process is left (and logged):
+        it is being read. Items without a CRC cannot be checked (counted in the
+        log line). Holds the lock throughout: about one read of every checked byte.
+
+        Args:
+            data: the arena's data area as a buffer (``arena.host.numpy()``, or a
+                memoryview), at least ``num_blocks * block_bytes`` bytes.
+        """
+        view = memoryview(data).cast("B")
+        lay = self.layout
+        bb = lay.block_bytes
+        if view.nbytes < lay.num_blocks * bb:
+            raise InvalidSizeError(
+                f"verify needs the arena's data area, {lay.num_blocks * bb} bytes "
+                f"({lay.num_blocks} blocks of {bb}); got {view.nbytes} bytes"
+            )
+        t0 = time.monotonic()
+        checked = unchecked = dropped = 0
+        kept: list[str] = []
+        self._lock()
+        try:
+            self._recover()
+            w, i, sl, mk = self._w, self._i, self._sl, self._mkey
+            w[H_DIRTY] = self._pid
+            for s in range(lay.max_items):
+                b = sl + s * SLOT_WORDS
+                if w[b + S_STATE] != READY:
+                    continue
+                want = w[b + S_CRC]
+                if want < 0:
+                    unchecked += 1
+                    continue
+                checked += 1
+                crc, left, e = 0, w[b + S_NBYTES], w[b + S_EXT]
+                while e >= 0:  # the item's bytes only, not its last block's padding
+                    take = min(i[self._ec + e] * bb, left)
+                    crc = zlib.crc32(view[e * bb : e * bb + take], crc)
+                    left -= take
+                    e = i[self._en + e]
+                if crc == want:
+                    continue
+                key = bytes(self._k[s * mk : s * mk + w[b + S_KLEN]]).decode(errors="replace")
+                if w[b + S_PINS]:
+                    kept.append(key)
+                    continue
+                self._drop(s, evicted=False)
+                dropped += 1
+                log.warning("catalog %s: item %r fails its CRC-32; dropped", self.path, key)
+            w[H_DIRTY] = 0
+        finally:
+            self._unlock()
+        if kept:
+            log.error(
+                "catalog %s: %d pinned item(s) fail their CRC-32 and stay until unpinned: %s",
+                self.path, len(kept), kept[:8],
+            )  # fmt: skip
+        log.info(
+            "catalog %s verified in %.3f s: %d item(s) checked, %d dropped, %d without a CRC",
+            self.path, time.monotonic() - t0, checked, dropped, unchecked,
+        )  # fmt: skip
+        return dropped
+
     def stats(self) -> CatalogStats:
         """The host-wide counters (every process of every instance); see :attr:`local`."""
         self._lock_clean()
@@ -916,6 +1027,7 @@ class SharedCatalog:
                 bytes_evicted=w[H_BYTES_EVICTED], reserve_failures=w[H_RESERVE_FAILURES],
                 items_resident=w[H_READY_ITEMS], bytes_resident=w[H_READY_BYTES],
                 free_blocks=w[H_FREE_BLOCKS], largest_free_extent=largest,
+                ready_blocks=w[H_READY_BLOCKS],
             )  # fmt: skip
         finally:
             self._unlock()
@@ -1152,6 +1264,7 @@ class SharedCatalog:
         w, lay, sl, pn = self._w, self.layout, self._sl, self._pn
         w[H_DIRTY] = self._pid
         n, mk = lay.num_blocks, self._mkey
+        wm = w[H_READY_BLOCKS] = max(0, min(w[H_READY_BLOCKS], n))
         self._desc.clear()
         owner = np.full(n, -1, dtype=np.int64)
         alive: dict = {}
@@ -1166,8 +1279,8 @@ class SharedCatalog:
             ok = ok and (state == READY or _alive(w[b + S_PID], w[b + S_START], alive))
             total, e, chain, hops = 0, w[b + S_EXT], [], 0
             while ok and e >= 0 and hops <= n:
-                c = i[self._ec + e] if e < n else 0
-                if c <= 0 or e + c > n or (owner[e : e + c] >= 0).any():
+                c = i[self._ec + e] if e < wm else 0
+                if c <= 0 or e + c > wm or (owner[e : e + c] >= 0).any():  # only ready blocks
                     ok = False
                     break
                 chain.append((e, c))
@@ -1247,11 +1360,11 @@ class SharedCatalog:
         for k in range(NUM_CLASSES):
             w[H_CLASSES + k] = -1
         w[H_MASK] = 0
-        free = np.concatenate(([False], owner < 0, [False])).astype(np.int8)
+        free = np.concatenate(([False], owner[:wm] < 0, [False])).astype(np.int8)
         edges = np.flatnonzero(np.diff(free))
         for start, end in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True):
             self._fl_insert(start, end - start)
-        w[H_FREE_BLOCKS] = int((owner < 0).sum())
+        w[H_FREE_BLOCKS] = int((owner[:wm] < 0).sum())
         w[H_EVICTABLE] = evictable
         w[H_ITEMS] = items
         w[H_READY_ITEMS] = ready_items
@@ -1274,6 +1387,8 @@ class SharedCatalog:
         w, lay, sl, pn, i = self._w, self.layout, self._sl, self._pn, self._i
         n, mk = lay.num_blocks, self._mkey
         assert w[H_DIRTY] == 0, "catalog left dirty"
+        wm = w[H_READY_BLOCKS]
+        assert 0 <= wm <= n, f"ready watermark {wm} outside [0, {n}]"
         owner = np.full(n, -1, dtype=np.int64)
         items = ready_items = ready_bytes = evictable = 0
         for s in range(lay.max_items):
@@ -1288,7 +1403,7 @@ class SharedCatalog:
             total, e = 0, w[b + S_EXT]
             while e >= 0:
                 c = i[self._ec + e]
-                assert c > 0 and e + c <= n, f"slot {s}: bad extent ({e}, {c})"
+                assert c > 0 and e + c <= wm, f"slot {s}: bad extent ({e}, {c}), ready {wm}"
                 assert (owner[e : e + c] < 0).all(), f"block owned twice ({key!r})"
                 owner[e : e + c] = s
                 total += c
@@ -1326,6 +1441,7 @@ class SharedCatalog:
                 c = i[self._fs + s]
                 assert c > 0 and c.bit_length() - 1 == k and i[self._fe + s + c - 1] == s
                 assert i[self._fp + s] == prev
+                assert s + c <= wm, f"free extent ({s}, {c}) beyond the ready watermark {wm}"
                 assert not free[s : s + c].any() and (owner[s : s + c] < 0).all()
                 free[s : s + c] = True
                 starts.append((s, c))
@@ -1334,7 +1450,8 @@ class SharedCatalog:
         for (s0, c0), (s1, _) in zip(starts, starts[1:], strict=False):
             assert s0 + c0 < s1, f"free extents ({s0}, {c0}) and ({s1}, ...) touch"
         assert int(free.sum()) == w[H_FREE_BLOCKS], "free block count is off"
-        assert ((owner >= 0) | free).all(), "a block is lost (neither owned nor free)"
+        assert ((owner[:wm] >= 0) | free[:wm]).all(), "a block is lost (neither owned nor free)"
+        assert not ((owner[wm:] >= 0) | free[wm:]).any(), "a block beyond the watermark is used"
         # Free lists of slots and pin records.
         cnt, s = 0, w[H_SLOT_FREE]
         while s >= 0:

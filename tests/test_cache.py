@@ -187,3 +187,107 @@ def test_shared_caches_in_two_processes_see_the_same_items(arena_dir):
         assert hits == 2 and mine.stats().hits == 2  # host-wide counters
         assert mine.integrity_failures == 0
         mine.catalog.check()
+
+
+def _persistent_producer(arena_dir, out, die):
+    import os
+
+    with OffloadCache.create("p", arena_bytes=16 * B, block_bytes=B, directory=arena_dir,
+                             shared=True, persistent=True, integrity=True) as c:  # fmt: skip
+        c.save(items(3))
+        c.flush()
+        out.put(({k: c.catalog.entry(k).extents for k in items(3)}, c.arena._data_offset))
+        out.close()
+        out.join_thread()  # flushed before a SIGKILL
+        if die:
+            os.kill(os.getpid(), 9)  # the last holder crashes: nobody validates, nobody closes
+
+
+@pytest.mark.parametrize("end", ["closed", "killed"])
+def test_a_persistent_shared_cache_restarts_warm_and_drops_corrupted_items(arena_dir, end):
+    import multiprocessing as mp
+    import os
+
+    from ecoffload.engine.arena import Arena
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_persistent_producer, args=(arena_dir, out, end == "killed"))
+    p.start()
+    extents, data_offset = out.get(timeout=120)
+    p.join(60)
+    assert p.exitcode == (0 if end == "closed" else -9)
+    path = os.path.join(arena_dir, "p")
+    fd = os.open(path, os.O_RDWR)  # a stray write while nobody held the file
+    (start, _), *_ = extents["img-1"]
+    os.pwrite(fd, b"\xff\xfe", data_offset + start * B + 3)
+    os.close(fd)
+    with OffloadCache.create("p", arena_bytes=16 * B, block_bytes=B, directory=arena_dir,
+                             shared=True, persistent=True, integrity=True) as c:  # fmt: skip
+        assert c.arena.warm_started
+        assert c.catalog.state("img-1") is None  # dropped at open, before any load
+        got = c.load(["img-0", "img-1", "img-2"])
+        data = items(3)
+        assert set(got) == {"img-0", "img-2"} and all(torch.equal(got[k], data[k]) for k in got)
+        assert c.integrity_failures == 0 and c.stats().hits == 2
+        assert c.catalog.entry("img-0").producer[0] == p.pid  # saved by the other instance
+        c.catalog.check()
+    assert Arena.remove_shared("p", directory=arena_dir)
+
+
+def _slow_background_creator(arena_dir, created):
+    import time
+
+    from ecoffload.engine import arena as arena_mod
+
+    arena_mod._POPULATE_CHUNK = B  # one block per chunk, 0.3 s each: saves outpace it
+    fault = arena_mod._fault
+    arena_mod._fault = lambda *a: (time.sleep(0.3), fault(*a))
+    c = OffloadCache.create("bg", arena_bytes=32 * B, block_bytes=B, directory=arena_dir,
+                            shared=True, populate="background")  # fmt: skip
+    created.put(c.arena.created)
+    time.sleep(120)
+
+
+def test_shared_background_populate_hands_out_ready_blocks_only_and_survives_its_creator(
+    arena_dir,
+):
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    ctx = mp.get_context("spawn")
+    created = ctx.Queue()
+    p = ctx.Process(target=_slow_background_creator, args=(arena_dir, created))
+    p.start()
+    assert created.get(timeout=120)
+    kw = {"arena_bytes": 32 * B, "block_bytes": B, "directory": arena_dir, "shared": True,
+          "populate": "background"}  # fmt: skip
+    mine = OffloadCache.create("bg", **kw)
+    one = torch.ones(B, dtype=torch.uint8)
+    n = 0
+    while mine.arena.ready_blocks < 8:
+        mine.save({f"k{n}": one * (n % 251)})
+        n += 1
+        ready = mine.catalog.allocator.ready_blocks
+        assert ready <= mine.arena.ready_blocks
+        for e in mine.catalog.entries():  # reservations got ready blocks only
+            assert all(start + count <= ready for start, count in e.extents), (e, ready)
+        mine.catalog.check()
+        time.sleep(0.005)
+    assert mine.stats().evictions > 0  # the ready prefix, not the arena, was the room
+    os.kill(p.pid, signal.SIGKILL)  # the creator dies mid-populate
+    p.join(60)
+    assert mine.arena.ready_blocks < 32 and not mine.arena.wait_ready(timeout_s=10)
+    with OffloadCache.create("bg", **kw) as other:  # a new instance takes the populate over
+        assert not other.arena.created and other.arena.wait_ready(timeout_s=60)
+        evictions = mine.stats().evictions
+        result = mine.save({f"x{i}": one * i for i in range(32)})
+        mine.flush()
+        assert not result.no_room and mine.catalog.allocator.ready_blocks == 32
+        assert mine.stats().free_blocks == 0 and mine.stats().items_resident == 32
+        assert mine.stats().evictions - evictions < 8  # the 24 newly ready blocks took most
+        mine.catalog.check()
+        assert (other.load(["x31"])["x31"] == 31).all()
+    mine.close()

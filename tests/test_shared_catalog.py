@@ -275,3 +275,139 @@ def test_reserve_write_commit_and_lookup_in_three_processes(tmp_path):
     scheduler.abort("other")
     scheduler.check()
     scheduler.close()
+
+
+def open_ready(path, blocks, ready_blocks) -> SharedCatalog:
+    """A fresh shared catalog whose ready watermark starts at ``ready_blocks``."""
+    size = shared_catalog.meta_bytes(blocks, B)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return SharedCatalog(fd, 0, size, num_blocks=blocks, block_bytes=B,
+                             ready_blocks=ready_blocks)  # fmt: skip
+    finally:
+        os.close(fd)
+
+
+def test_only_blocks_below_the_ready_watermark_are_handed_out(tmp_path):
+    c = open_ready(tmp_path / "c", 8, 2)
+    assert (c.allocator.ready_blocks, c.stats().free_blocks, c.stats().ready_blocks) == (2, 2, 2)
+    assert c.reserve("big", 3 * B) is None  # 3 blocks exist, but only 2 are ready
+    assert c.reserve("a", B).extents == [(0, 1)] and c.reserve("b", B).extents == [(1, 1)]
+    assert c.reserve("c", B) is None
+    c.check()
+    c.commit("b")
+    c.evict("b")  # free [1, 2): the tail the newly ready blocks coalesce with
+    assert c.allocator.add_ready(5) == 3 and c.allocator.ready_blocks == 5
+    assert c.add_ready(4) == 0 and c.add_ready(5) == 0  # monotonic, idempotent
+    c.check()
+    assert c.stats().largest_free_extent == 4
+    assert c.reserve("d", 4 * B).extents == [(1, 4)]  # one extent: coalesced
+    assert c.reserve("e", B) is None  # blocks 5..7 are not ready
+    assert c.add_ready(100) == 3 and c.reserve("e", 3 * B).extents == [(5, 3)]
+    c.check()
+    c.close()
+
+
+def test_recovery_rebuilds_free_extents_below_the_watermark_only(tmp_path, monkeypatch):
+    c = open_ready(tmp_path / "c", 16, 4)
+    c.reserve("a", 2 * B)
+    c.commit("a")
+
+    def hook(name):
+        if name == "add_ready:freed":
+            raise _Died(name)
+
+    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    with pytest.raises(_Died):
+        c.add_ready(10)  # stopped after freeing [4, 10), before the watermark moved
+    monkeypatch.setattr(shared_catalog, "fault_hook", None)
+    other = reopen(tmp_path / "c")  # finds it dirty and rebuilds from the slot table
+    assert other.recoveries >= 2
+    assert (other.allocator.ready_blocks, other.stats().free_blocks) == (4, 2)
+    other.check()
+    other.recover()  # a clean rebuild keeps the watermark too
+    assert other.stats().free_blocks == 2
+    assert other.add_ready(10) == 6 and other.stats().free_blocks == 8
+    other.check()
+    c.close()
+    other.close()
+
+
+def test_check_refuses_a_free_block_beyond_the_watermark(tmp_path):
+    c = open_ready(tmp_path / "c", 8, 4)
+    c._w[shared_catalog.H_READY_BLOCKS] = 2  # the free extent [0, 4) now reaches past it
+    with pytest.raises(AssertionError, match="beyond the ready watermark"):
+        c.check()
+    c.recover()  # a rebuild trusts the watermark: blocks 2 and 3 are neither free nor lost
+    assert c.stats().free_blocks == 2
+    c.check()
+    c.close()
+
+
+def _data_with(c, data, key, nbytes, fill, checksum=True):
+    e = c.reserve(key, nbytes)
+    for start, count in e.extents:
+        data[start * B : (start + count) * B] = bytes([fill]) * (count * B)
+    crc, left = 0, nbytes
+    for start, count in e.extents:
+        take = min(count * B, left)
+        crc = zlib.crc32(data[start * B : start * B + take], crc)
+        left -= take
+    c.commit(key, crc if checksum else None)
+    return e
+
+
+def test_verify_drops_ready_items_whose_bytes_fail_their_crc(tmp_path, caplog):
+    c = open_shared(tmp_path / "c", 16)
+    data = bytearray(16 * B)
+    good = _data_with(c, data, "good", 2 * B + 5, 1)
+    bad = _data_with(c, data, "bad", 3 * B, 2)
+    padded = _data_with(c, data, "padded", B + 7, 3)
+    _data_with(c, data, "no-crc", B, 4, checksum=False)
+    pinned = _data_with(c, data, "pinned", B, 5)
+    c.reserve("writing", B)  # ours and alive: kept
+    c.pin("pinned")
+    data[bad.extents[0][0] * B + 17] ^= 0xFF
+    data[pinned.extents[0][0] * B] ^= 0xFF
+    end = padded.extents[0][0] * B + B + 7
+    data[end : end + 8] = b"\xaa" * 8  # padding past the item's bytes: not its bytes
+    before = c.recoveries
+    with caplog.at_level("INFO"):
+        assert c.verify(memoryview(data)) == 1
+    assert c.recoveries == before + 1  # the structural rebuild ran first
+    assert {k: c.state(k) for k in ("good", "bad", "padded", "no-crc", "pinned", "writing")} == {
+        "good": ItemState.READY, "bad": None, "padded": ItemState.READY,
+        "no-crc": ItemState.READY, "pinned": ItemState.READY, "writing": ItemState.WRITING,
+    }  # fmt: skip
+    assert c.entry("good").extents == good.extents
+    assert "'bad' fails its CRC-32" in caplog.text and "'pinned'" in caplog.text
+    assert "4 item(s) checked, 1 dropped, 1 without a CRC" in caplog.text
+    c.check()
+    with pytest.raises(shared_catalog.InvalidSizeError, match="16 blocks"):
+        c.verify(bytearray(B))
+    c.close()
+
+
+def _produce(path, key):
+    c = reopen(path)
+    c.reserve(key, B)
+    c.commit(key)
+    c.close()
+
+
+def test_entries_name_the_process_that_produced_them(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    p = mp.get_context("spawn").Process(target=_produce, args=(str(tmp_path / "c"), "theirs"))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    mine = c.reserve("mine", B)
+    me = (os.getpid(), shared_catalog.process_start_time(os.getpid()))
+    assert mine.producer == me
+    other = reopen(tmp_path / "c")
+    assert other.commit("mine").producer == me  # kept after another object's commit
+    theirs = c.lookup("theirs")
+    assert theirs.producer[0] == p.pid and theirs.producer != me and theirs.producer[1] > 0
+    c.close()
+    other.close()
