@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any
 
 from ..engine.arena import Arena, RegisterMode
 from ..engine.shared_catalog import SharedCatalog, meta_bytes
 from .config import OffloadConfig
+
+log = logging.getLogger(__name__)
 
 
 def layout_key(vllm_config: Any) -> dict[str, str]:
@@ -42,16 +45,26 @@ def open_shared_arena(
     The file stays while any process holds it (or always, ``persistent``); a
     joiner takes the size the first process chose.
     """
-    return Arena.create_or_attach(  # INTERIM until Arena.open_shared lands
+    return Arena.open_shared(
         config.arena_name,
         block_bytes=config.block_bytes,
         num_blocks=config.num_blocks,
         layout_key=layout_key(vllm_config),
         directory=config.arena_dir,
         register_cuda=register_cuda,
-        populate="eager" if config.populate == "background" else config.populate,
+        populate=config.populate,
         meta_bytes=meta_bytes(config.num_blocks, config.block_bytes),
+        persistent=config.persistent,
+        on_warm_start=_verify,
     )
+
+
+def _verify(arena: Arena) -> None:
+    """A persistent arena nobody held: check its catalog (and CRCs) before serving."""
+    with SharedCatalog.for_arena(arena) as catalog:
+        dropped = catalog.verify(arena.host.numpy())
+    log.info("ecoffload: warm start from %s: %d items, %d dropped by verification",
+             arena.path, len(catalog), dropped)  # fmt: skip
 
 
 def open_catalog(arena: Arena) -> SharedCatalog:

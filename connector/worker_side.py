@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..engine.cache import dtype_from_name, dtype_name
-from ..engine.catalog import ItemState
+from ..engine.catalog import ItemState, item_crc32
 from ..engine.errors import ArenaError, CatalogError
 from ..engine.transfer import BlockMover, Completion, split_completed
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
@@ -40,6 +40,16 @@ from .shared_arena import open_catalog, open_shared_arena
 from .stats import WORKER_COUNTERS, ECOffloadStats, delta
 
 log = logging.getLogger(__name__)
+
+
+class _Saved(NamedTuple):
+    """A save in flight: what the commit needs once its copy completed."""
+
+    generation: int  # the reservation's, in the shared catalog
+    dtype: str
+    shape: tuple[int, ...]
+    extents: list[tuple[int, int]]
+    nbytes: int
 
 
 class WorkerSide:
@@ -63,8 +73,8 @@ class WorkerSide:
         self._queued: dict[str, torch.Tensor] = {}
         self._not_saved: dict[str, int] = {}
         self._steps: set[int] = set()
-        # (copy, {key: (generation, dtype, shape)}) until the copy completed
-        self._pending_saves: list[tuple[Completion, dict[str, tuple[int, str, tuple]]]] = []
+        self._pending_saves: list[tuple[Completion, dict[str, _Saved]]] = []  # until complete
+        self._checksums = config.persistent  # a warm restart re-checks them
         self._pending_loads: list[tuple[Completion, list[str]]] = []
         self._counts: Counter[str] = Counter()
         self._reported: dict[str, int] = {}
@@ -152,25 +162,31 @@ class WorkerSide:
                 self._not_saved[key] = -1
             return
         saved = {
-            k: (meta.saves[k][2], dtype_name(t.dtype), tuple(t.shape)) for k, t in queued.items()
+            k: _Saved(meta.saves[k][2], dtype_name(t.dtype), tuple(t.shape), meta.saves[k][0],
+                      t.nbytes)  # fmt: skip
+            for k, t in queued.items()
         }
         self._pending_saves.append((done, saved))
         self._counts["save_launches"] += 1
         self._counts["items_saved"] += len(queued)
         self._counts["bytes_saved"] += sum(t.nbytes for t in queued.values())
 
-    def _commit(
-        self, batch: dict[str, tuple[int, str, tuple]], report: ECOffloadWorkerMetadata
-    ) -> None:
-        """Publish saves whose copy completed: READY for every instance on the host."""
-        for key, (generation, dtype, shape) in batch.items():
+    def _commit(self, batch: dict[str, _Saved], report: ECOffloadWorkerMetadata) -> None:
+        """Publish saves whose copy completed: READY for every instance on the host
+        (with the CRC-32 of the bytes on a persistent arena, for a warm restart)."""
+        host = self.arena.host.numpy() if self._checksums else None
+        for key, item in batch.items():
+            crc = None
+            if host is not None:
+                crc = item_crc32(host, item.extents, self.arena.block_bytes, item.nbytes)
             try:
-                self.catalog.commit(key, generation=generation, dtype=dtype, shape=shape)
+                self.catalog.commit(key, crc, generation=item.generation, dtype=item.dtype,
+                                    shape=item.shape)  # fmt: skip
             except CatalogError as exc:  # the reservation is gone: never serve these bytes
                 log.warning("ecoffload: not publishing %s: %s", key, exc)
                 self._not_saved[key] = -1
                 continue
-            report.saved[key] = (dtype, shape)
+            report.saved[key] = (item.dtype, item.shape)
 
     def _abort(self, key: str, generation: int) -> None:
         """Give back reservation ``generation`` of ``key``: it will never be filled."""

@@ -53,7 +53,7 @@ import torch
 from ..profiling.nvtx import nvtx_range
 from .allocator import BlockAllocator
 from .arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
-from .catalog import Catalog, CatalogStats
+from .catalog import Catalog, CatalogStats, item_crc32
 from .shared_catalog import SharedCatalog, meta_bytes
 from .sizes import parse_bytes
 from .transfer import BlockMover, Completion, split_completed
@@ -273,12 +273,9 @@ class OffloadCache:
     def _commit(self, key: str) -> None:
         crc = None
         if self.integrity:  # recorded with the commit: a READY item always has its CRC
-            entry, host, bb = self.catalog.entry(key), self.arena.host, self.arena.block_bytes
-            crc, left = 0, entry.nbytes
-            for start, count in entry.extents:  # the item's bytes only, not its last padding
-                take = min(count * bb, left)
-                crc = zlib.crc32(host[start * bb : start * bb + take].numpy(), crc)
-                left -= take
+            entry = self.catalog.entry(key)
+            crc = item_crc32(self.arena.host.numpy(), entry.extents, self.arena.block_bytes,
+                             entry.nbytes)  # fmt: skip
         self.catalog.commit(key, crc)
 
     def _verified(self, key: str, tensor: torch.Tensor) -> bool:

@@ -25,7 +25,9 @@ Plain Python on purpose: no torch import.
 from __future__ import annotations
 
 import enum
+import zlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from .allocator import BlockAllocator, Extent
@@ -53,6 +55,18 @@ class Entry:
 
     def __post_init__(self) -> None:
         self.blocks = sum(count for _, count in self.extents)
+
+
+def item_crc32(data, extents: Iterable[tuple[int, int]], block_bytes: int, nbytes: int) -> int:
+    """CRC-32 of an item's bytes in an arena's data area (``data``: any buffer of it):
+    its extents in order, the last one cut at ``nbytes`` (padding excluded)."""
+    view = memoryview(data).cast("B")
+    crc, left = 0, nbytes
+    for start, count in extents:
+        take = min(count * block_bytes, left)
+        crc = zlib.crc32(view[start * block_bytes : start * block_bytes + take], crc)
+        left -= take
+    return crc
 
 
 @dataclass

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .allocator import Extent, blocks_for
-from .catalog import CatalogStats, Entry, ItemState
+from .catalog import CatalogStats, Entry, ItemState, item_crc32
 from .errors import (
     ArenaLayoutMismatch,
     CatalogCapacityError,
@@ -980,13 +980,11 @@ class SharedCatalog:
                     unchecked += 1
                     continue
                 checked += 1
-                crc, left, e = 0, w[b + S_NBYTES], w[b + S_EXT]
-                while e >= 0:  # the item's bytes only, not its last block's padding
-                    take = min(i[self._ec + e] * bb, left)
-                    crc = zlib.crc32(view[e * bb : e * bb + take], crc)
-                    left -= take
+                extents, e = [], w[b + S_EXT]
+                while e >= 0:
+                    extents.append((e, i[self._ec + e]))
                     e = i[self._en + e]
-                if crc == want:
+                if item_crc32(view, extents, bb, w[b + S_NBYTES]) == want:
                     continue
                 key = bytes(self._k[s * mk : s * mk + w[b + S_KLEN]]).decode(errors="replace")
                 if w[b + S_PINS]:
