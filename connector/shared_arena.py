@@ -63,8 +63,8 @@ def _verify(arena: Arena) -> None:
     """A persistent arena nobody held: check its catalog (and CRCs) before serving."""
     with SharedCatalog.for_arena(arena) as catalog:
         dropped = catalog.verify(arena.host.numpy())
-    log.info("ecoffload: warm start from %s: %d items, %d dropped by verification",
-             arena.path, len(catalog), dropped)  # fmt: skip
+        log.info("ecoffload: warm start from %s: %d items kept, %d dropped by verification",
+                 arena.path, len(catalog), dropped)  # fmt: skip
 
 
 def open_catalog(arena: Arena) -> SharedCatalog:

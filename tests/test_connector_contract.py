@@ -36,6 +36,7 @@ from ecoffload.connector import ECOffloadConnector, compat
 from ecoffload.connector.metadata import ECOffloadWorkerMetadata
 from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.connector.stats import ECOffloadStats
+from ecoffload.engine.arena import Arena
 from ecoffload.engine.errors import ArenaError, ConfigError
 
 
@@ -126,6 +127,37 @@ def test_two_instances_share_blocks_without_overlap(arena_dir, model_config):
         for sched, worker in (two, one):
             worker.shutdown()
             sched.shutdown()
+
+
+def test_persistent_arena_restarts_warm_and_drops_a_corrupted_item(arena_dir, model_config):
+    config = make_config(arena_dir, model_config=model_config, persistent=True)
+    sched, worker = make_pair(config)
+    try:
+        for i, key in enumerate(("kept", "broken")):
+            _save(sched, worker, key, 6, seed=i)
+        broken = sched.side.catalog.entry("broken")
+        assert broken.checksum is not None  # the writer recorded the CRC-32 of the bytes
+        offset = sched.side.arena._data_offset + broken.extents[0][0] * 4096
+        path = sched.side.arena.path
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+    assert os.listdir(arena_dir) == [os.path.basename(path)]  # kept: persistent
+    with open(path, "r+b") as f:  # a stray write while nothing ran
+        f.seek(offset)
+        f.write(b"\xff" * 16)
+    sched, worker = make_pair(config)  # the restart verifies the catalog first
+    try:
+        assert sched.side.arena.warm_started
+        assert schedule(sched, make_request("again", [("kept", 6), ("broken", 6)])) == [
+            True, False]  # fmt: skip
+        cache = {}
+        worker_step(worker, sched.build_connector_meta(SchedulerOutput.make_empty()), cache, {})
+        assert torch.equal(cache["kept"], encoder_output(6, 0))
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        Arena.remove_shared(os.path.basename(path), directory=arena_dir)
 
 
 @pytest.mark.parametrize(
