@@ -174,10 +174,12 @@ def test_persistent_arena_restarts_warm_and_drops_a_corrupted_item(arena_dir, mo
         ({"arena_bytes": 1_000_000}, "multiple of the page size"),
         ({"block_bytes": "-64KiB"}, "cannot read"),
         ({"arena_name": "a/b"}, "not allowed"),
+        ({"persistent": "yes"}, "true or false"),
+        ({"arena_bytes": "16TiB", "block_bytes": "4KiB"}, "raise block_bytes"),
     ],
     ids=["unknown-key", "bad-size", "zero-size", "block-not-4k", "arena-too-small",
          "name-with-dots", "missing-dir", "zero-programs", "arena-not-page-multiple",
-         "negative-block", "name-with-slash"],
+         "negative-block", "name-with-slash", "persistent-not-bool", "too-many-blocks"],
 )  # fmt: skip
 def test_bad_extra_config_fails_at_start_up(arena_dir, extra, match):
     config = make_config(arena_dir, **extra)
