@@ -87,12 +87,8 @@ class SchedulerSide:
             return False
         if identifier in self._promised or identifier in self._loads:
             return True
-        entry = self.catalog.lookup(identifier)
+        entry = self.catalog.lookup(identifier, pin=True)
         if entry is None:
-            return False
-        try:
-            self.catalog.pin(identifier)
-        except CatalogError:  # another instance evicted it since the lookup
             return False
         if entry.producer != self._me:
             self._counts["hits_from_other_instances"] += 1

@@ -757,8 +757,13 @@ class SharedCatalog:
             raise
         self._end()
 
-    def lookup(self, key: str) -> SharedEntry | None:
-        """The READY entry of ``key`` (now most recently used), or None; counts hit/miss."""
+    def lookup(self, key: str, *, pin: bool = False) -> SharedEntry | None:
+        """The READY entry of ``key`` (now most recently used), or None; counts hit/miss.
+
+        ``pin=True`` also pins a hit under the same lock (one round trip instead
+        of :meth:`lookup` then :meth:`pin`, between which another process could
+        evict it).
+        """
         self._begin()  # the hot path: _end inlined below
         w = self._w
         try:
@@ -777,9 +782,11 @@ class SharedCatalog:
                 if w[H_LRU_TAIL] != s:
                     self._lru_unlink(s)
                     self._lru_append(s)
+                if pin:
+                    self._pin_slot(s, key)
                 entry = self._snapshot(s)
-        except BaseException:
-            self._end(False)
+        except BaseException as exc:
+            self._end(isinstance(exc, CatalogError))
             raise
         w[H_DIRTY] = 0
         fcntl.fcntl(self._fd, _UNLOCK_CMD, self._ulk)

@@ -411,3 +411,27 @@ def test_entries_name_the_process_that_produced_them(tmp_path):
     assert theirs.producer[0] == p.pid and theirs.producer != me and theirs.producer[1] > 0
     c.close()
     other.close()
+
+
+def test_lookup_can_pin_a_hit_under_the_same_lock(tmp_path):
+    a = open_shared(tmp_path / "c", 8, max_items=4, max_pins=1)
+    b = reopen(tmp_path / "c")
+    a.reserve("x", B)
+    assert a.lookup("x", pin=True) is None  # WRITING: a miss, nothing pinned
+    assert b.entry("x").dtype == "uint8"  # b's snapshot of the reservation
+    a.commit("x", dtype="bfloat16", shape=(8, 256))  # the writer names dtype and shape
+    got = a.lookup("x", pin=True)
+    assert (got.pins, got.dtype, got.shape) == (1, "bfloat16", (8, 256))
+    seen = b.lookup("x")  # the other object sees the pin and the commit's fields
+    assert (seen.pins, seen.dtype, seen.shape) == (1, "bfloat16", (8, 256))
+    a.reserve("y", B)
+    a.commit("y")
+    with pytest.raises(CatalogCapacityError):  # the one pin record is taken
+        b.lookup("y", pin=True)
+    b.check()  # a refused pin leaves the catalog clean
+    assert b.state("y") is ItemState.READY and b.entry("y").pins == 0
+    a.unpin("x")
+    assert a.entry("x").pins == 0
+    a.check()
+    a.close()
+    b.close()
