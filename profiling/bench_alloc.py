@@ -136,6 +136,17 @@ def shared_vs_local(resident: int, sample: int = 20000) -> list[tuple[str, float
             rows.setdefault("pin_many+unpin_many, 16 keys (per key)", []).append(
                 per_op(pin_unpin_16, batches) / 16
             )
+            def connector_hit(key, cat=cat):  # has_cache_item, then the load's unpin
+                if cat is shared:
+                    cat.lookup(key, pin=True)
+                else:
+                    cat.lookup(key)
+                    cat.pin(key)
+                cat.unpin(key)
+
+            rows.setdefault("connector hit: lookup+pin, then unpin", []).append(
+                per_op(connector_hit, resident_now)
+            )
             rows.setdefault("lookup (miss)", []).append(per_op(cat.lookup, keys[-sample:]))
             if cat is shared:  # the floor of every shared operation: the kernel's lock
                 rows.setdefault("lock+unlock only (thread lock / OFD lock)", []).append(
