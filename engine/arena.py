@@ -43,13 +43,20 @@ Shared lifetime (:meth:`Arena.open_shared`, several instances on one host)::
     close: non-blocking write lock on byte 112:
       granted = last holder: remove the name
       (unless persistent); then release
+    janitor (non-persistent; started by the       its write lock on byte 112 is
+      creator in a session of its own): waits    granted once every holder
+      for a write lock on byte 112, removes      closed *or died*
+      the name if it still names the file
 
 The header's lifetime word (at 104) records the mode and ``persistent`` for
-every process. A file nobody holds is reclaimed (not persistent: its holders
-all crashed) or *warm started* (persistent: validated while the opener holds
-it exclusively); a creator that died before the magic is stale as above. One
-process populates at a time (a write lock on byte 113); whoever opens the
-arena after its populator died resumes from the ready prefix. Plain
+every process. The janitor makes "removed when the last holder is gone"
+true even when every holder is killed (vLLM's shutdown may SIGKILL its engine
+processes): nothing is left in /dev/shm. A file nobody holds anyway (the
+janitor was killed too) is reclaimed (not persistent) or *warm started*
+(persistent: validated while the opener holds it exclusively); a creator
+that died before the magic is stale as above. One process populates at a
+time (a write lock on byte 113); whoever opens the arena after its
+populator died resumes from the ready prefix. Plain
 ``attach`` maps a shared-lifetime arena without holding it and never calls it
 stale.
 
@@ -74,6 +81,7 @@ import os
 import re
 import stat
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -337,6 +345,8 @@ class Arena:
             raise
         if processes == 1:
             arena._unlink()
+        if lifetime and not lifetime & PERSISTENT:
+            _start_janitor(path, os.fstat(fd).st_ino)
         try:
             arena._register(register_cuda, populate)
         except BaseException:
@@ -1294,6 +1304,44 @@ def _unlink_if_inode(path: str, inode: int) -> None:
             os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+# The janitor: a bare interpreter (no site, no ecoffload import: ~10 ms) holding no
+# lock until every holder is gone; its lock struct is _FLOCK's layout.
+_JANITOR = """
+import fcntl, os, struct, sys
+if os.fork():  # the janitor is the grandchild: nobody's child once this exits
+    os._exit(0)
+path, inode, byte = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+except OSError:
+    sys.exit(0)
+if os.fstat(fd).st_ino != inode:
+    sys.exit(0)
+fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, byte, 1, 0))
+try:
+    if os.stat(path, follow_symlinks=False).st_ino == inode:
+        os.unlink(path)
+except FileNotFoundError:
+    pass
+"""
+
+
+def _start_janitor(path: str, inode: int) -> None:
+    """Remove ``path`` once no process holds the arena, however the holders end.
+
+    A process of its own that exits right after; it never maps the file. It
+    runs in a session of its own (a signal to the serving process group does
+    not reach it) and is no descendant of this process (started through a
+    parent that exits at once), because vLLM's shutdown kills its engine
+    processes' children.
+    """
+    subprocess.run(
+        [sys.executable, "-I", "-S", "-c", _JANITOR, path, str(inode), str(_HOLDERS_BYTE)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True, check=True, timeout=60,
+    )  # fmt: skip
 
 
 def _ofd_lock(fd: int, kind: int, byte: int, *, wait: bool) -> bool:

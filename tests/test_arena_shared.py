@@ -115,9 +115,43 @@ def test_a_joiner_that_finds_the_name_removed_under_it_creates_anew(arena_dir):
     assert Arena.remove_shared("s", directory=arena_dir)
 
 
-def test_a_non_persistent_file_whose_holders_all_died_is_reclaimed(arena_dir, caplog):
+def janitors(path):
+    """Pids of the janitor processes watching ``path``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if path.encode() in args and b"-c" in args:
+            found.append(int(pid))
+    return found
+
+
+def test_holders_that_all_die_leave_nothing_the_janitor_removes_the_name(arena_dir):
+    path = os.path.join(arena_dir, "s")
+    a, b = Holder(arena_dir, 0, 7), Holder(arena_dir, 1, 8)
+    (janitor,) = janitors(path)  # started by the creator, once...
+    with open(f"/proc/{janitor}/stat") as f:  # ...and no child of it (vLLM kills those)
+        assert int(f.read().rsplit(")", 1)[1].split()[1]) != a.p.pid
+    a.kill()
+    assert inode(arena_dir) == a.inode  # b still holds it
+    b.kill()  # the last holder dies without closing anything
+    deadline = time.monotonic() + 10
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(path)
+    while janitors(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not janitors(path)  # and it is gone too
+
+
+def test_a_file_left_with_its_janitor_killed_too_is_reclaimed(arena_dir, caplog):
     h = Holder(arena_dir, 0, 7)
-    h.kill()  # the last holder dies: nobody removes the name
+    for pid in janitors(os.path.join(arena_dir, "s")):
+        os.kill(pid, signal.SIGKILL)
+    h.kill()  # the last holder dies and nobody removes the name
     assert inode(arena_dir) == h.inode
     with caplog.at_level(logging.WARNING), open_shared(arena_dir) as c:
         assert c.created and (block_of(c, 0) == 0).all()  # fresh (tmpfs may reuse the inode)

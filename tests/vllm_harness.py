@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -26,6 +27,15 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
 HIDDEN = 64  # the tiny model's hidden size: one encoder row = 128 bytes of bf16
+
+
+def files_left(directory: str, timeout_s: float = 5.0) -> list[str]:
+    """The files still in ``directory`` once they are gone or ``timeout_s`` passed (a
+    shared arena whose last holder was killed is removed by its janitor a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    while os.listdir(directory) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return os.listdir(directory)
 
 
 def write_tiny_model(directory: str) -> str:
