@@ -316,12 +316,12 @@ def fake_cupy(monkeypatch):
 def test_registration_follows_the_ready_prefix_chunk_by_chunk(
     arena_dir, slow_populate, fake_cupy, monkeypatch
 ):
-    slow_populate(0.01)
+    slow_populate(0.1)  # slow enough that a busy host's registrar sees the first chunk alone
     runtime = fake_cupy()
     monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", 4 * CHUNK)
     with create(arena_dir, populate="background", register_cuda="auto") as a:
         assert a.registered
-        assert a.wait_ready(10) and a.registered_fraction == 1.0
+        assert a.wait_ready(30) and a.registered_fraction == 1.0
         offsets = [o for o, _ in runtime.calls]
         sizes = [s for _, s in runtime.calls]
         assert offsets == sorted(offsets) and sum(sizes) == a.nbytes  # the prefix, once
@@ -424,7 +424,7 @@ def test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness(
             "arena_dir": arena_dir, "arena_bytes": "256KiB", "block_bytes": "4KiB",
         },
     )  # fmt: skip
-    slow_populate(0.05)  # 16 chunks of 4 blocks: ~0.8 s to fill, 4 blocks ready at once
+    slow_populate(0.2)  # 16 chunks of 4 blocks: ~3 s to fill, 4 blocks ready at once
     sched = ECConnectorFactory.create_connector(
         VllmConfig(model_config=model, ec_transfer_config=transfer), ECConnectorRole.SCHEDULER
     )
@@ -441,13 +441,13 @@ def test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness(
                            sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
                            mm_features=[feature])  # fmt: skip
 
-        sched.update_state_after_alloc(request("big", 320), 0)  # 10 blocks: not ready yet
+        sched.update_state_after_alloc(request("big", 1280), 0)  # 40 blocks: not ready yet
         sched.update_state_after_alloc(request("small", 32), 0)  # 1 block: ready
         meta = sched.build_connector_meta(SchedulerOutput.make_empty())
         assert list(meta.saves) == ["small"]
         assert sched.offload_stats()["saves_skipped_no_room"] == 1
-        assert sched.side.arena.wait_ready(10)
-        sched.update_state_after_alloc(request("big2", 320), 0)
+        assert sched.side.arena.wait_ready(30)
+        sched.update_state_after_alloc(request("big2", 1280), 0)
         assert "big2" in sched.build_connector_meta(SchedulerOutput.make_empty()).saves
         assert sched.offload_stats()["arena_ready_fraction"] == 1.0
     finally:
