@@ -62,6 +62,10 @@ MODULES: dict[str, list[str]] = {
         "tests/test_cache.py",
         "tests/test_faults.py::test_cache_writer_killed_mid_copy_never_serves_the_item",
         "tests/test_faults.py::test_writer_killed_mid_save_never_exposes_the_item",
+        # the per-item host fallback of a partly registered arena, and warm-up at creation
+        "tests/test_arena_startup.py::test_mover_copies_unregistered_blocks_through_host_memory",
+        "tests/test_arena_startup.py::test_no_device_alias_means_host_copies_and_one_warning",
+        "tests/test_kernel_variants.py::test_a_cuda_mover_warms_up_when_it_is_created",
     ],
     "connector/scheduler_side.py": CONNECTOR_TESTS,
     "connector/worker_side.py": CONNECTOR_TESTS,
