@@ -71,7 +71,9 @@ MODULES: dict[str, list[str]] = {
     "connector/worker_side.py": CONNECTOR_TESTS,
 }
 KILLED = {1, 3}
-TIMEOUT = {-24, 24, 36, 152, 255}  # killed by the CPU-time limit: the mutant loops or stalls
+TIMEOUT = {-24, 24, 36, 152, 255, -9}  # the CPU-time limit (SIGXCPU, then SIGKILL): loops or stalls
+CRASHED = {-11}  # the test process segfaulted on the mutant (e.g. a kernel reading out of bounds)
+DETECTED = KILLED | TIMEOUT | CRASHED
 
 
 def stage(module: str) -> Path:
@@ -112,15 +114,15 @@ def run(module: str, children: int) -> dict:
         sys.exit(f"{module}: mutmut produced no results; see {root / 'mutmut-run.log'}")
     codes = json.loads(meta.read_text())["exit_code_by_key"]
     status = Counter(
-        "killed" if c in KILLED else "timeout" if c in TIMEOUT else "survived" if c == 0
-        else f"other {c}" for c in codes.values()
+        "killed" if c in KILLED else "timeout" if c in TIMEOUT else "crashed" if c in CRASHED
+        else "survived" if c == 0 else f"other {c}" for c in codes.values()
     )  # fmt: skip
-    survivors = sorted(k for k, c in codes.items() if c not in KILLED | TIMEOUT)
+    survivors = sorted(k for k, c in codes.items() if c not in DETECTED)
     return {
         "module": module,
         "mutants": len(codes),
-        "killed": status["killed"] + status["timeout"],  # as mutmut scores them
-        "rate": (status["killed"] + status["timeout"]) / max(1, len(codes)),
+        "killed": status["killed"] + status["timeout"] + status["crashed"],  # detected
+        "rate": (status["killed"] + status["timeout"] + status["crashed"]) / max(1, len(codes)),
         "seconds": round(seconds),
         "status": dict(status),
         "survivors": survivors,
