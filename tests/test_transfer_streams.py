@@ -256,7 +256,6 @@ class AliasArena:
         return self.alias
 
 
-@pytest.mark.kernel
 def test_a_registered_arena_is_copied_through_its_device_alias_with_the_mover_s_settings(
     monkeypatch,
 ):
