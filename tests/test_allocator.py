@@ -128,6 +128,19 @@ def test_check_catches_corrupt_free_lists(free_extents):
         a.check()
 
 
+@pytest.mark.parametrize("ready", [4, 11], ids=["free-past-the-ready", "ready-past-the-end"])
+def test_check_catches_free_blocks_beyond_the_ready_ones(ready):
+    a = BlockAllocator(10, B, ready_blocks=4)  # the arena still populating: [0, 4) free
+    a.check()
+    if ready == 4:  # a free extent the populate has not reached
+        a._insert(6, 2)
+        a.free_blocks += 2
+    else:
+        a.ready_blocks = ready
+    with pytest.raises(AssertionError, match="^free blocks beyond the ready ones$"):
+        a.check()
+
+
 def test_random_churn_keeps_invariants():
     rng = random.Random(0)
     a = BlockAllocator(500, B)

@@ -1,10 +1,13 @@
 """The engine-level transfer API on CPU (interpreter kernel and reference path)."""
 
+import re
+
 import pytest
 import torch
 from copy_gate import CopyGate
 
 from ecoffload.engine import OffloadCache
+from ecoffload.engine.arena import Arena
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import ItemStateError
 from ecoffload.engine.transfer import BlockMover
@@ -125,6 +128,16 @@ def test_mover_save_and_load_directly(arena_dir):
         (out,), done = mover.load([[(3, 3)]], [(torch.int32, (3000,))])
         done.wait()
         assert done.done() and torch.equal(out, src)
+
+
+def test_a_mover_refuses_a_closed_arena_by_name(arena_dir):
+    arena = Arena.create("gone", block_bytes=B, num_blocks=4, directory=arena_dir)
+    mover, path = BlockMover(arena), arena.path
+    arena.close()
+    with pytest.raises(ValueError, match=re.escape(f"{path} is closed")):
+        mover.save([torch.zeros(B, dtype=torch.uint8)], [[(0, 1)]])
+    with pytest.raises(ValueError, match=re.escape(f"{path} is closed")):
+        mover.load([[(0, 1)]], [(torch.uint8, (B,))])
 
 
 @pytest.mark.parametrize("integrity", [True, False], ids=["integrity-on", "integrity-off"])

@@ -211,8 +211,18 @@ def test_messages_name_the_operation_and_the_way_out(make):
     for op, key in (("commit", "r"), ("pin", "w"), ("unpin", "w"), ("evict", "w")):
         with pytest.raises(ItemStateError, match=rf"^{op}\('{key}'\) needs an item in state"):
             getattr(c, op)(key)
+    for many, op in (("pin_many", "pin"), ("unpin_many", "unpin")):  # each key's own operation
+        with pytest.raises(ItemStateError, match=rf"^{op}\('w'\) needs an item in state"):
+            getattr(c, many)(["w"])
     with pytest.raises(DuplicateItemError, match="look it up instead of saving it again, or evict"):
         c.reserve("r", B)
+
+
+def test_stats_report_the_blocks_populate_made_ready():
+    c = Catalog(BlockAllocator(10, B, ready_blocks=4))  # the arena still populating
+    assert (c.stats().ready_blocks, c.stats().free_blocks) == (4, 4)
+    c.allocator.add_ready(7)
+    assert (c.stats().ready_blocks, c.stats().free_blocks) == (7, 7)
 
 
 def test_counters_accumulate(make):

@@ -5,7 +5,15 @@ import pytest
 import torch
 from test_block_copy import DEVICE, POISON, random_item
 
-from ecoffload.kernels import LaunchConfig, empty_items, pack, plan_batch, triton_available, unpack
+from ecoffload.kernels import (
+    LaunchConfig,
+    empty_items,
+    pack,
+    plan_batch,
+    plan_copy,
+    triton_available,
+    unpack,
+)
 from ecoffload.kernels.reference import reference_pack
 
 B = 4096
@@ -46,3 +54,22 @@ def test_long_segments_go_to_the_copy_engine_and_every_byte_arrives(threshold):
     unpack(arena, tables, B, outputs, config=config)
     for got, want in zip(outputs, items, strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_segments_kept_for_the_kernel_keep_their_tile_counts_tails_included():
+    # 16-byte accesses; 4104 = one 4096-byte tile + an 8-byte tail tile, 1000 = 1 + 1
+    sizes = [4104, 3 * B, 1000, 5000]
+    offsets, tables = [0, 8192, 24576, 28672], [[(0, 2)], [(2, 3)], [(5, 1)], [(6, 2)]]
+    kw = dict(block_bytes=B, arena_bytes=8 * B, items_bytes=40960, tile_bytes=4096)
+    whole = plan_copy(offsets, sizes, tables, **kw)
+    split = plan_copy(offsets, sizes, tables, dma_min_bytes=3 * B, **kw)
+
+    def tiles(p):
+        starts = p.segments[:, 3].tolist() + [p.num_tiles]
+        return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+    assert whole.vec_bytes == 16 and tiles(whole) == [2, 3, 2, 3]
+    assert split.dma == ((8192, 2 * B, 3 * B),)
+    assert split.segments[:, :3].tolist() == [[0, 0, 4104], [24576, 5 * B, 1000],
+                                              [28672, 6 * B, 5000]]  # fmt: skip
+    assert tiles(split) == [2, 2, 3] and split.num_tiles == 7

@@ -87,3 +87,61 @@ def test_exact_coverage_is_accepted(nbytes, table):
 def test_zero_byte_item_with_a_block_is_refused():
     with pytest.raises(PlanError, match="lists more blocks"):
         plan([0], [0], [[(0, 1)]])
+
+
+@pytest.mark.parametrize("programs", [0, -1])
+def test_a_launch_without_programs_is_refused(programs):
+    with pytest.raises(PlanError) as caught:  # zero programs would copy nothing, silently
+        plan([0], [B], [[(0, 1)]], num_programs=programs)
+    assert str(caught.value) == f"num_programs must be positive, got {programs}"
+
+
+@pytest.mark.parametrize(
+    "block_bytes,arena_bytes", [(0, 16 * B), (-B, 16 * B), (B, 16 * B + 1)],
+    ids=["zero-blocks", "negative-blocks", "arena-not-whole-blocks"],
+)  # fmt: skip
+def test_the_block_size_must_be_positive_and_divide_the_arena(block_bytes, arena_bytes):
+    with pytest.raises(PlanError) as caught:
+        plan([0], [B], [[(0, 1)]], block_bytes=block_bytes, arena_bytes=arena_bytes)
+    assert str(caught.value) == (
+        f"arena of {arena_bytes} bytes is not a whole number of {block_bytes}-byte blocks"
+    )
+
+
+def test_any_positive_block_size_is_planned_one_byte_blocks_included():
+    p = plan([0], [3], [[(5, 3)]], block_bytes=1, arena_bytes=8)
+    assert p.segments[:, :3].tolist() == [[0, 5, 3]] and p.nbytes == 3
+
+
+@pytest.mark.parametrize(
+    "offset,nbytes", [(900, 200), (-1, 10), (0, -1)], ids=["past-end", "negative-offset",
+                                                          "negative-size"],
+)  # fmt: skip
+def test_an_item_outside_the_items_buffer_is_refused_by_name(offset, nbytes):
+    table = [(0, 1)] if nbytes > 0 else []
+    with pytest.raises(PlanError) as caught:
+        plan([offset], [nbytes], [table], items_bytes=1000)
+    assert str(caught.value) == (
+        f"item 0: bytes [{offset}, {offset + nbytes}) are not inside the items buffer of 1000 bytes"
+    )
+
+
+# The loop planner's messages, whole: each says what was expected and what was given.
+@pytest.mark.parametrize(
+    "nbytes,table,message",
+    [
+        (B, [(15, 2)], "item 0: extent (15, 2) is not inside the arena's blocks [0, 16); "
+                       "block tables must come from this arena's allocator"),
+        (0, [(0, 1)], "item 0 has 0 bytes but its block table lists more blocks: a whole "
+                      "extent would stay unwritten; give each item exactly its blocks"),
+        (B + 1, [(0, 4)], "item 0 has 4097 bytes (2 blocks of 4096) but its extent (0, 4) "
+                          "runs 2 block(s) past its end: give each item exactly its blocks"),
+        (3 * B, [(0, 2)], "item 0 has 12288 bytes but its block table covers only 8192 "
+                          "(2 blocks of 4096)"),
+    ],
+    ids=["outside-the-arena", "more-blocks-than-bytes", "past-its-end", "covers-only"],
+)  # fmt: skip
+def test_refusals_name_the_item_the_extent_and_the_numbers(nbytes, table, message):
+    with pytest.raises(PlanError) as caught:
+        plan([0], [nbytes], [table])
+    assert str(caught.value) == message

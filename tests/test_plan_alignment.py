@@ -144,3 +144,24 @@ def test_the_launch_gets_the_width_of_its_own_addresses(to_arena):
     ((items_base, arena_base, plan),) = recorder.calls
     assert items_base == items[0].data_ptr() and plan.vec_bytes == 2
     check_addresses(plan, items_base, arena_base)
+
+
+@pytest.mark.parametrize("planner", ["loop", "vectorised"])
+@pytest.mark.parametrize("side", ["items", "arena"])
+def test_the_width_comes_from_base_plus_offset_not_each_alone(side, planner, monkeypatch):
+    """base 4 + offsets 16k+4 are addresses 16k+8: 8-byte accesses, not 16 (the width
+    comes from base + offset, never from base and offset separately)."""
+    from ecoffload.kernels import plan as plan_mod
+
+    n = plan_mod.VECTORISE_FROM  # 64 one-extent items: the vectorised pass takes them
+    if planner == "loop":
+        monkeypatch.setattr(plan_mod, "VECTORISE_FROM", 10**9)
+    if side == "items":  # items at 16k+4 of a buffer at 4
+        kw = dict(block_bytes=B, arena_bytes=n * B, items_base=4, arena_base=0)
+        offsets, tables = [16 * k + 4 for k in range(n)], [[(k, 1)] for k in range(n)]
+    else:  # 4-byte blocks 4k+1 of an arena at 4
+        kw = dict(block_bytes=4, arena_bytes=4 * 4 * n, items_base=0, arena_base=4)
+        offsets, tables = [16 * k for k in range(n)], [[(4 * k + 1, 1)] for k in range(n)]
+    p = plan_copy(offsets, [4] * n, tables, items_bytes=16 * n + 8, **kw)
+    assert p.vec_bytes == 8
+    check_addresses(p, kw["items_base"], kw["arena_base"])

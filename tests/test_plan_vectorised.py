@@ -37,7 +37,8 @@ def step(seed, items=20, max_extents=12, zero_items=True):
 
 def both(offsets, sizes, tables, items_bytes, **kw):
     kw = dict(block_bytes=B, arena_bytes=2000 * B, items_bytes=items_bytes, tile_bytes=2048,
-              num_programs=8, items_base=0x7F0000001000, arena_base=0x7E0000000000, **kw)
+              num_programs=8, items_base=0x7F0000001000, arena_base=0x7E0000000000,
+              **kw)  # fmt: skip
     fast = plan_copy(offsets, sizes, tables, **kw)
     old = plan.VECTORISE_FROM
     plan.VECTORISE_FROM = 10**9
@@ -118,3 +119,78 @@ def test_the_vectorised_pass_hands_every_faulty_step_to_the_loop(kind, seed):
     assert plan._segments_vectorised(*args_of(offsets, sizes, item_fault, total)) is not None
     shifted = [o + 1 for o in offsets]  # an item past the end of the items buffer
     assert plan._segments_vectorised(*args_of(shifted, sizes, tables, total)) is None
+
+
+def edge_step():
+    """A valid step at the pass's edges: blocks 0 and 1999 (the arena's first and last),
+    an item whose last extent carries 1 byte, one of exactly 2 whole blocks next to a
+    free block, a zero-byte item last, 16-byte aligned offsets with odd sizes (16-byte
+    accesses, so segments end in byte-wise tails)."""
+    offsets, sizes, tables, off = [], [], [], 0
+    free = iter(range(2, 1000))
+    for i in range(70):
+        if i == 0:
+            n, table = B + 1, [(1999, 1), (0, 1)]
+        elif i == 1:
+            n, table = 2 * B, [(1000, 2)]  # block 1002 stays free
+        elif i == 69:
+            n, table = 0, []
+        else:
+            n = (i * 7919) % (3 * B) + 1
+            table = [(next(free), 1) for _ in range(-(-n // B))]
+        offsets.append(off)
+        sizes.append(n)
+        tables.append(table)
+        off = -(-(off + n) // 16) * 16
+    return offsets, sizes, tables, off
+
+
+def test_the_vectorised_pass_agrees_with_the_loop_at_the_edges_of_a_valid_step():
+    offsets, sizes, tables, total = edge_step()
+    args = args_of(offsets, sizes, tables, total)
+    fast = plan._segments_vectorised(*args)
+    assert fast is not None, "a valid step was handed to the loop"
+    rows, first_tiles, tiles, vec, nbytes = plan._segments_loop(*args)
+    assert vec == 16 and any(n % 16 for n in sizes)  # tails to count
+    assert fast[0] == rows and list(fast[1]) == list(first_tiles)
+    assert fast[2:] == (tiles, vec, nbytes)
+
+
+def one_fault(kind):
+    offsets, sizes, tables, total = edge_step()
+    tables = [list(t) for t in tables]
+    if kind == "negative-offset":  # nothing else wrong: the sizes still fit the buffer
+        offsets[5] = -16
+    elif kind == "negative-start":  # block 0's extent moved to block -1: no overlap
+        tables[0][1] = (-1, 1)
+    elif kind == "past-the-end":  # block 1999's extent moved to block 2000: no overlap
+        tables[0][0] = (2000, 1)
+    elif kind == "one-whole-block-too-many":  # 2 blocks of bytes, 3 blocks given
+        tables[1] = [(1000, 3)]
+    return args_of(offsets, sizes, tables, total)
+
+
+@pytest.mark.parametrize(
+    "kind", ["negative-offset", "negative-start", "past-the-end", "one-whole-block-too-many"]
+)
+def test_the_vectorised_pass_hands_a_step_with_one_fault_alone_to_the_loop(kind):
+    args = one_fault(kind)
+    with pytest.raises(PlanError):
+        plan._segments_loop(*args)
+    assert plan._segments_vectorised(*args) is None
+
+
+def test_a_step_of_vectorise_from_extents_is_planned_by_the_vectorised_pass(monkeypatch):
+    n = plan.VECTORISE_FROM
+    step_args = ([i * B for i in range(n)], [B] * n, [[(n - 1 - i, 1)] for i in range(n)])
+    kw = dict(block_bytes=B, arena_bytes=n * B, items_bytes=n * B, tile_bytes=2048)
+    monkeypatch.setattr(plan, "VECTORISE_FROM", 10**9)
+    want = plan_copy(*step_args, **kw)  # the loop's plan
+    monkeypatch.setattr(plan, "VECTORISE_FROM", n)
+
+    def loop(*args):
+        raise AssertionError("a fragmented step was planned one extent at a time")
+
+    monkeypatch.setattr(plan, "_segments_loop", loop)
+    got = plan_copy(*step_args, **kw)
+    assert torch.equal(got.table, want.table)
