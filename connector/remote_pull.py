@@ -64,6 +64,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -90,12 +91,40 @@ def open_peer(arena: Any, config: NixlConfig) -> ArenaPeer:
 
 class RemoteProducer:
     """Announces a finished request's READY items and pins them until the consumer's
-    notification or the lease's end."""
+    notification or the lease's end.
 
-    def __init__(self, peer: ArenaPeer, catalog: Any, config: NixlConfig, counts: Counter) -> None:
+    :meth:`step` runs on every scheduler step and, while leases are held, on a
+    small thread every ``tick_s`` (an idle engine does not step, and its leases
+    must still end).
+    """
+
+    def __init__(
+        self,
+        peer: ArenaPeer,
+        catalog: Any,
+        config: NixlConfig,
+        counts: Counter,
+        *,
+        tick_s: float | None = 0.1,
+    ) -> None:
         self.peer, self.catalog, self.config, self._counts = peer, catalog, config, counts
         self._leases: dict[str, tuple[list[str], float]] = {}  # notify -> (pinned keys, expiry)
         self._seq = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if tick_s is not None:
+            self._thread = threading.Thread(target=self._tick, args=(tick_s,),
+                                            name="ecoffload-leases", daemon=True)  # fmt: skip
+            self._thread.start()
+
+    def _tick(self, tick_s: float) -> None:
+        while not self._stop.wait(tick_s):
+            if self._leases:
+                try:
+                    self.step()
+                except Exception:  # never let the thread die silently
+                    log.exception("ecoffload: releasing leases failed")
 
     def announce(self, request: Any) -> dict[str, Any] | None:
         """``ec_transfer_params`` for ``request``'s READY items (pinned now), or None."""
@@ -123,9 +152,10 @@ class RemoteProducer:
             }
         if not items:
             return None
-        self._seq += 1
-        notify = f"ecoffload:{self._seq}:{request.request_id}"
-        self._leases[notify] = (list(items), time.monotonic() + self.config.lease_s)
+        with self._lock:
+            self._seq += 1
+            notify = f"ecoffload:{self._seq}:{request.request_id}"
+            self._leases[notify] = (list(items), time.monotonic() + self.config.lease_s)
         self._counts["remote_items_announced"] += len(items)
         return {
             "ecoffload": FORMAT,
@@ -142,14 +172,17 @@ class RemoteProducer:
 
     def step(self) -> None:
         """Unpin the leases consumers have read (their notification) or that expired."""
-        for _, message in self.peer.notifications():
-            lease = self._leases.pop(message.decode(errors="replace"), None)
-            if lease is not None:
-                self._unpin(lease[0])
-        now = time.monotonic()
-        for notify in [n for n, (_, expiry) in self._leases.items() if expiry <= now]:
-            self._unpin(self._leases.pop(notify)[0])
-            self._counts["remote_leases_expired"] += 1
+        with self._lock:
+            if self.peer.closed:
+                return
+            for _, message in self.peer.notifications():
+                lease = self._leases.pop(message.decode(errors="replace"), None)
+                if lease is not None:
+                    self._unpin(lease[0])
+            now = time.monotonic()
+            for notify in [n for n, (_, expiry) in self._leases.items() if expiry <= now]:
+                self._unpin(self._leases.pop(notify)[0])
+                self._counts["remote_leases_expired"] += 1
 
     def _unpin(self, keys: list[str]) -> None:
         for key in keys:
@@ -157,9 +190,14 @@ class RemoteProducer:
                 self.catalog.unpin(key)
 
     def close(self) -> None:
-        for keys, _ in self._leases.values():
-            self._unpin(keys)
-        self._leases.clear()
+        """Stop the thread, unpin every lease (close before the peer and the catalog)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            for keys, _ in self._leases.values():
+                self._unpin(keys)
+            self._leases.clear()
 
 
 class Announced(NamedTuple):
