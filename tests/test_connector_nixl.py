@@ -169,6 +169,28 @@ def test_an_item_still_being_written_is_never_announced(hosts):
 
 
 @needs_nixl
+def test_the_producer_s_saves_are_committed_before_its_step_reports(hosts, monkeypatch):
+    # A GPU copy still in flight when the step ends would leave the item WRITING
+    # when its (encode-only) request finishes, so never announced: with nixl the
+    # writer waits for the step's copies before it reports.
+    (psched, pworker), _ = hosts()
+
+    class Late:  # a copy event that completes only when waited for
+        waited = False
+
+        def done(self):
+            return self.waited
+
+        def wait(self):
+            self.waited = True
+
+    save = pworker.side.mover.save
+    monkeypatch.setattr(pworker.side.mover, "save", lambda *a: save(*a) and None or Late())
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
+    assert params is not None and list(params["items"]) == ["img"]
+
+
+@needs_nixl
 def test_items_already_local_are_not_pulled_and_the_lease_is_released(hosts):
     (psched, pworker), (csched, cworker) = hosts()
     images = [("a", 5, 1), ("b", 9, 2)]
