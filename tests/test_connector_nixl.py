@@ -207,6 +207,40 @@ def test_items_already_local_are_not_pulled_and_the_lease_is_released(hosts):
     assert all(torch.equal(cache[k], encoder_output(r, s)) for k, r, s in images)
 
 
+@needs_nixl
+def test_two_requests_for_one_item_share_one_pull(hosts):
+    (psched, pworker), (csched, _) = hosts()
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 40, 3)]))
+    first = consumer_request("c1", [("img", 40, 3)], params)
+    second = consumer_request("c2", [("img", 40, 3)], params)
+    reads = []
+    peer = csched.side.peer
+    original = peer.read
+    peer.read = lambda *a, **kw: reads.append(a) or original(*a, **kw)
+    assert csched.ensure_cache_available(first, 0) is False
+    assert admit(csched, second)[0]
+    assert schedule(csched, second) == [True]  # it waited for the first's read: local now
+    step(csched)
+    assert admit(csched, first)[0]
+    assert len([r for r in reads if r[1]]) == 1  # one read moved the item
+    assert csched.side.stats()["remote_items_pulled"] == 1
+
+
+@needs_nixl
+def test_bytes_changed_under_the_lease_fail_the_crc_and_are_never_served(hosts):
+    (psched, pworker), (csched, _) = hosts()
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 40, 3)]))
+    start = params["items"]["img"]["extents"][0][0]
+    arena = psched.side.arena
+    arena.host[start * arena.block_bytes + 100] ^= 0xFF  # e.g. evicted and reused meanwhile
+    request = consumer_request("c1", [("img", 40, 3)], params)
+    assert admit(csched, request)[0]
+    assert csched.side.catalog.state("img") is None  # not published, reservation aborted
+    stats = csched.side.stats()
+    assert stats["remote_items_pulled"] == 0 and stats["remote_pull_failures"] == 1
+    assert stats["remote_fallbacks"] == 1 and schedule(csched, request) == [False]
+
+
 GARBLED = {
     "not-a-dict": "hello",
     "foreign-format": {"img": {"peer_host": "10.0.0.1", "peer_port": 1}},
