@@ -32,7 +32,10 @@ side is neither read nor written).
 
 Connecting: by :meth:`ArenaPeer.metadata` bytes (passed out of band; nothing
 listens), or by card through NIXL's listener (the remote's ``listen_port``;
-this peer must listen too, since the answer comes back to its own listener).
+this peer must listen too, since the answer comes back to its own listener):
+:meth:`connect` waits for the answer, :meth:`begin_connect` /
+:meth:`connect_done` let a caller that must never block (vLLM's scheduler)
+poll for it.
 
 Completion: :meth:`poll` never blocks. A transfer ends "done", or "error" when
 NIXL reports a failure (the remote died or disconnected: NIXL raises, this
