@@ -263,6 +263,7 @@ class RemoteConsumer:
         self._pulling: dict[str, str] = {}  # key -> request id whose pull reserved it
         self._connecting: dict[str, float] = {}  # peer name -> connect deadline (monotonic)
         self._broken: set[str] = set()  # peers to forget once none of their reads is unsettled
+        self._unreachable: dict[str, float] = {}  # peer name -> until when not to try again
         self._unsettled: list[tuple[PullHandle, dict[str, tuple[int, Any]]]] = []
         self._unavailable: set[str] = set()
 
@@ -304,6 +305,9 @@ class RemoteConsumer:
             self._notify_if_connected(card.name, notify)
             return self._resolve(request, refused, "announced with the wrong number of rows")
         pull = _Pull(rid, card.name, notify.encode(), expires_at, want, fallback=refused)
+        if self._unreachable.get(card.name, 0.0) > time.monotonic():
+            self._counts["remote_pull_failures"] += 1
+            return self._resolve(request, set(want) | refused, f"{card.name} did not answer lately")
         try:
             self.peer.begin_connect(card)
         except Exception as exc:  # a card without a listener, NIXL refusing it...
@@ -381,7 +385,8 @@ class RemoteConsumer:
             if not ready and now < deadline:
                 continue
             del self._connecting[name]
-            if not ready:
+            if not ready:  # later requests naming it fall back at once for a while
+                self._unreachable[name] = now + self.config.timeout_s
                 with contextlib.suppress(Exception):
                     self.peer.disconnect(name)
             for pull in [p for p in self._pulls.values()
@@ -416,6 +421,8 @@ class RemoteConsumer:
         for rid, pull in list(self._pulls.items()):
             if pull.orphan and pull.state in ("done", "failed"):
                 del self._pulls[rid]
+        for name in [n for n, until in self._unreachable.items() if until <= now]:
+            del self._unreachable[name]
 
     def _finish(self, pull: _Pull) -> None:
         """The read completed: publish each item whose bytes match the producer's CRC."""

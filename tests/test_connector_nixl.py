@@ -276,6 +276,10 @@ def test_garbled_or_unusable_params_fall_back_to_local_encoding(hosts, case):
     assert admit(csched, request, timeout_s=15)[0]  # admitted: it encodes the item itself
     assert time.monotonic() - t0 < 5
     assert request.ec_transfer_params is None
+    if case == "unreachable-peer":  # the next request naming it falls back at once
+        again = make_request("c2", [("img", 5)])
+        again.ec_transfer_params = params
+        assert csched.ensure_cache_available(again, 0) is True
     assert csched.side.catalog.state("img") is None  # nothing reserved is left behind
     assert schedule(csched, request) == [False]  # a miss: vLLM runs the encoder
     stats = csched.side.stats()
