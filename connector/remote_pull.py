@@ -231,7 +231,7 @@ def parse_params(params: Any) -> tuple[PeerCard, str, float, dict[str, Announced
                 raise ValueError(f"item {key!r}: nbytes must be positive, dtype a string")
             items[key] = Announced(extents, nbytes, d["dtype"], shape,
                                    None if crc is None else int(crc))  # fmt: skip
-    except (KeyError, TypeError, ValueError, RemoteError) as exc:
+    except (AttributeError, KeyError, TypeError, ValueError, RemoteError) as exc:
         raise ValueError(f"malformed ecoffload ec_transfer_params ({exc})") from None
     return card, notify, expires_at, items
 

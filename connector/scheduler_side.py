@@ -266,7 +266,13 @@ class SchedulerSide:
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
         if self.remote_consumer is None:
             return True  # promised items are already in the local arena, pinned
-        return self.remote_consumer.admit(request, num_computed_tokens)
+        try:
+            return self.remote_consumer.admit(request, num_computed_tokens)
+        except Exception:  # a pull must never fail the scheduler: encode locally instead
+            log.exception("ecoffload: admitting %s failed; its items are encoded locally",
+                          request.request_id)  # fmt: skip
+            request.ec_transfer_params = None
+            return True
 
     def take_unavailable_requests(self) -> set[str]:
         if self.remote_consumer is None:

@@ -247,6 +247,9 @@ GARBLED = {
     "no-items": {"ecoffload": 1, "peer": {"name": "p"}},
     "bad-card": {"ecoffload": 1, "peer": {"name": "p", "base": -1}, "notify": "n",
                  "expires_at": 0, "items": {}},  # fmt: skip
+    "item-not-a-dict": {"ecoffload": 1, "peer": {"name": "p", "host": None, "port": None,
+                        "base": 4096, "block_bytes": 4096, "num_blocks": 1}, "notify": "n",
+                        "expires_at": 0, "items": {"img": [1, 2]}},  # fmt: skip
     "bad-extents": "bad-extents",  # filled from a real announcement below
     "wrong-rows": "wrong-rows",
     "unreachable-peer": "unreachable-peer",
@@ -416,3 +419,17 @@ def test_without_nixl_key_nothing_is_imported(arena_dir, model_config, monkeypat
     assert sched.request_finished(request) == (False, None)
     worker.shutdown()
     sched.shutdown()
+
+
+@needs_nixl
+def test_an_unexpected_error_while_admitting_never_reaches_the_scheduler(hosts, monkeypatch):
+    (psched, pworker), (csched, _) = hosts()
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
+
+    def broken(key):
+        raise RuntimeError("catalog trouble")
+
+    monkeypatch.setattr(csched.side.catalog, "state", broken)
+    request = consumer_request("c1", [("img", 5, 1)], params)
+    assert csched.ensure_cache_available(request, 0) is True  # encoded locally instead
+    assert request.ec_transfer_params is None

@@ -6,7 +6,8 @@ answers carry ``ec_transfer_params``. The proxy sends the same prompts to an
 ``ec_consumer`` instance on another arena with those params in
 ``SamplingParams.extra_args``: the consumer pulls every image's encoder output
 from the producer's arena, never runs its encoder, and generates the tokens of
-a run without any connector.
+a run without any connector. With a second producer killed after it
+answered, only the requests it announced encode locally, within the bound.
 """
 
 import json
@@ -34,8 +35,12 @@ def model_dir(tmp_path_factory):
     return build_tiny_paligemma(str(tmp_path_factory.mktemp("tiny-paligemma")), seed=0)
 
 
-def test_a_consumer_host_pulls_what_a_producer_host_encoded(model_dir, tmp_path):
-    baseline = vllm_scenario.run(connector=False, model_dir=model_dir, order=ORDER)
+@pytest.fixture(scope="module")
+def baseline(model_dir):
+    return vllm_scenario.run(connector=False, model_dir=model_dir, order=ORDER)
+
+
+def test_a_consumer_host_pulls_what_a_producer_host_encoded(model_dir, baseline, tmp_path):
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
     host_a.mkdir()
     host_b.mkdir()
@@ -62,3 +67,42 @@ def test_a_consumer_host_pulls_what_a_producer_host_encoded(model_dir, tmp_path)
     assert stats["remote_pull_failures"] == stats["remote_fallbacks"] == 0
     assert (served.writing_after, served.pinned_after) == (0, 0)
     assert os.listdir(host_a) == os.listdir(host_b) == []
+
+
+def test_only_the_requests_of_a_killed_producer_encode_locally(model_dir, baseline, tmp_path):
+    half = IMAGES // 2
+    hosts = {name: tmp_path / name for name in ("a", "b", "c")}
+    for d in hosts.values():
+        d.mkdir()
+    alive = vllm_scenario.start(model_dir=model_dir, arena_dir=str(hosts["a"]),
+                                release_dir=str(tmp_path), role="ec_producer",
+                                arena_name="cache-a", order=ORDER[:half], nixl=NIXL)  # fmt: skip
+    try:
+        params = alive.result().ec_transfer_params
+        doomed = vllm_scenario.start(model_dir=model_dir, arena_dir=str(hosts["c"]),
+                                     release_dir=str(tmp_path), role="ec_producer",
+                                     arena_name="cache-c", order=ORDER[half:],
+                                     nixl=NIXL)  # fmt: skip
+        params += doomed.result().ec_transfer_params
+        doomed.proc.kill()  # gone after answering: its announcements lead nowhere
+        doomed.stop()
+        path = tmp_path / "params.json"
+        path.write_text(json.dumps(params))
+        served = vllm_scenario.run(connector=True, model_dir=model_dir,
+                                   arena_dir=str(hosts["b"]), role="ec_consumer",
+                                   arena_name="cache-b", order=ORDER,
+                                   nixl={**NIXL, "timeout_s": 5},
+                                   transfer_params=str(path), timeout_s=300)  # fmt: skip
+    finally:
+        assert alive.stop() == 0
+    assert served.encoder_runs == [0] * half + [1] * (IMAGES - half)
+    assert served.token_ids == baseline.token_ids
+    stats = served.scheduler_stats
+    assert stats["remote_items_pulled"] == half
+    assert stats["remote_fallbacks"] == IMAGES - half
+    assert max(served.seconds[half:]) < 15  # one connect timeout at most, then at once
+    assert (served.writing_after, served.pinned_after) == (0, 0)
+    assert os.listdir(hosts["a"]) == os.listdir(hosts["b"]) == []
+    # A SIGKILLed instance's shared arena file stays until an instance on that host
+    # starts again and reclaims it (its creator is gone): nothing else is left.
+    assert os.listdir(hosts["c"]) in ([], ["cache-c"])
