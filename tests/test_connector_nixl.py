@@ -245,11 +245,27 @@ GARBLED = {
     "not-a-dict": "hello",
     "foreign-format": {"img": {"peer_host": "10.0.0.1", "peer_port": 1}},
     "no-items": {"ecoffload": 1, "peer": {"name": "p"}},
-    "bad-card": {"ecoffload": 1, "peer": {"name": "p", "base": -1}, "notify": "n",
-                 "expires_at": 0, "items": {}},  # fmt: skip
-    "item-not-a-dict": {"ecoffload": 1, "peer": {"name": "p", "host": None, "port": None,
-                        "base": 4096, "block_bytes": 4096, "num_blocks": 1}, "notify": "n",
-                        "expires_at": 0, "items": {"img": [1, 2]}},  # fmt: skip
+    "bad-card": {
+        "ecoffload": 1,
+        "peer": {"name": "p", "base": -1},
+        "notify": "n",
+        "expires_at": 0,
+        "items": {},
+    },  # fmt: skip
+    "item-not-a-dict": {
+        "ecoffload": 1,
+        "peer": {
+            "name": "p",
+            "host": None,
+            "port": None,
+            "base": 4096,
+            "block_bytes": 4096,
+            "num_blocks": 1,
+        },
+        "notify": "n",
+        "expires_at": 0,
+        "items": {"img": [1, 2]},
+    },  # fmt: skip
     "bad-extents": "bad-extents",  # filled from a real announcement below
     "wrong-rows": "wrong-rows",
     "unreachable-peer": "unreachable-peer",
