@@ -34,6 +34,8 @@ Protocol, one request::
 ``ec_transfer_params`` (JSON, what :meth:`RemoteProducer.announce` returns)::
 
     {"ecoffload": 1,
+     "layout": "ecoffload-<hash>",          model and dtype the bytes are for (a consumer of
+                                            another model refuses them)
      "peer": PeerCard.to_dict(),            the producer's NIXL listener and arena geometry
      "lease_s": 30.0, "expires_at": t,      pins last lease_s; t: producer's wall clock
      "notify": "ecoffload:<n>:<request_id>",
@@ -105,9 +107,11 @@ class RemoteProducer:
         config: NixlConfig,
         counts: Counter,
         *,
+        layout: str,
         tick_s: float | None = 0.1,
     ) -> None:
         self.peer, self.catalog, self.config, self._counts = peer, catalog, config, counts
+        self.layout = layout
         self._leases: dict[str, tuple[list[str], float]] = {}  # notify -> (pinned keys, expiry)
         self._seq = 0
         self._lock = threading.Lock()
@@ -159,6 +163,7 @@ class RemoteProducer:
         self._counts["remote_items_announced"] += len(items)
         return {
             "ecoffload": FORMAT,
+            "layout": self.layout,
             "peer": self.peer.card().to_dict(),
             "lease_s": self.config.lease_s,
             "expires_at": time.time() + self.config.lease_s,
@@ -210,11 +215,18 @@ class Announced(NamedTuple):
     crc32: int | None
 
 
-def parse_params(params: Any) -> tuple[PeerCard, str, float, dict[str, Announced]]:
-    """(card, notify, expires_at, items) of ecoffload ``ec_transfer_params``; raises
-    ValueError (with what is wrong) for anything else."""
+def parse_params(
+    params: Any, layout: str
+) -> tuple[PeerCard, str, float, dict[str, Announced]]:
+    """(card, notify, expires_at, items) of ecoffload ``ec_transfer_params`` made for
+    ``layout``; raises ValueError (with what is wrong) for anything else."""
     if not isinstance(params, Mapping) or params.get("ecoffload") != FORMAT:
         raise ValueError(f"not ecoffload ec_transfer_params (format {FORMAT}): {params!r:.200}")
+    if params.get("layout") != layout:
+        raise ValueError(
+            f"announced for layout {params.get('layout')!r}, this instance serves {layout!r}: "
+            "give producer and consumer the same model and dtype"
+        )
     try:
         card = PeerCard.from_dict(params["peer"])
         notify = params["notify"]
@@ -257,8 +269,11 @@ class RemoteConsumer:
     """Holds requests whose announced items are not local until one NIXL read each
     brought them into the local arena; falls back to local encoding otherwise."""
 
-    def __init__(self, peer: ArenaPeer, catalog: Any, config: NixlConfig, counts: Counter) -> None:
+    def __init__(
+        self, peer: ArenaPeer, catalog: Any, config: NixlConfig, counts: Counter, *, layout: str
+    ) -> None:
         self.peer, self.catalog, self.config, self._counts = peer, catalog, config, counts
+        self.layout = layout
         self._pulls: dict[str, _Pull] = {}  # request id -> its pull
         self._pulling: dict[str, str] = {}  # key -> request id whose pull reserved it
         self._connecting: dict[str, float] = {}  # peer name -> connect deadline (monotonic)
@@ -280,7 +295,7 @@ class RemoteConsumer:
         if not params:
             return True
         try:
-            card, notify, expires_at, items = parse_params(params)
+            card, notify, expires_at, items = parse_params(params, self.layout)
         except ValueError as exc:
             self._counts["remote_params_refused"] += 1
             keys = {f.identifier for f in request.mm_features}

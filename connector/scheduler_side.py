@@ -58,7 +58,7 @@ from .compat import (
 from .config import OffloadConfig
 from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata, LoadSpec, SaveSpec
 from .remote_pull import RemoteConsumer, RemoteProducer, open_peer
-from .shared_arena import open_catalog, open_shared_arena
+from .shared_arena import default_arena_name, open_catalog, open_shared_arena
 from .stats import COUNTERS, ECOffloadStats, delta
 
 log = logging.getLogger(__name__)
@@ -86,12 +86,13 @@ class SchedulerSide:
                 self.catalog.close()
                 self.arena.close()
                 raise
+            layout = default_arena_name(vllm_config)  # hashes model and dtype
             if self.producer:
                 self.remote_producer = RemoteProducer(self.peer, self.catalog, config.nixl,
-                                                      self._counts)  # fmt: skip
+                                                      self._counts, layout=layout)  # fmt: skip
             if self.consumer:
                 self.remote_consumer = RemoteConsumer(self.peer, self.catalog, config.nixl,
-                                                      self._counts)  # fmt: skip
+                                                      self._counts, layout=layout)  # fmt: skip
         self._me = (os.getpid(), process_start_time(os.getpid()) or 0)
         self._step = 0
         self._promised: set[str] = set()

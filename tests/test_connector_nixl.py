@@ -34,6 +34,7 @@ from vllm_harness import (
 )
 
 from ecoffload.connector.config import NixlConfig
+from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.engine import remote
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import ConfigError, NixlNotInstalledError
@@ -268,6 +269,7 @@ GARBLED = {
     },  # fmt: skip
     "bad-extents": "bad-extents",  # filled from a real announcement below
     "wrong-rows": "wrong-rows",
+    "other-model": "other-model",
     "unreachable-peer": "unreachable-peer",
 }
 
@@ -284,6 +286,9 @@ def test_garbled_or_unusable_params_fall_back_to_local_encoding(hosts, case):
     elif case == "wrong-rows":
         params = json.loads(json.dumps(real))
         params["items"]["img"]["shape"] = [6, HIDDEN]
+    elif case == "other-model":
+        params = json.loads(json.dumps(real))
+        params["layout"] = "ecoffload-0123456789ab"
     elif case == "unreachable-peer":
         params = json.loads(json.dumps(real))
         with socket.socket() as s:  # a port nothing listens on
@@ -353,7 +358,8 @@ def test_a_producer_killed_mid_pull_falls_back_and_leaks_nothing(
                          nixl={**NIXL, "timeout_s": 60})  # fmt: skip
     csched, cworker = make_pair(config)
     try:
-        params = {"ecoffload": 1, "peer": card, "lease_s": 60, "expires_at": time.time() + 60,
+        params = {"ecoffload": 1, "layout": default_arena_name(config), "peer": card,
+                  "lease_s": 60, "expires_at": time.time() + 60,
                   "notify": "ecoffload:1:x",
                   "items": {"big": {"extents": [[0, 256]], "nbytes": 256 << 20,
                                     "dtype": "bfloat16", "shape": [rows, width],
