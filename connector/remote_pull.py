@@ -56,8 +56,14 @@ Rules:
   once NIXL can no longer write into them (``PullHandle.settled``), and the
   request's items are encoded locally when it carries their inputs (else the
   request is returned by ``take_unavailable_requests``: vLLM aborts it).
-* Garbled or foreign ``ec_transfer_params`` are refused (logged, counted) and
-  the request falls back the same way; nothing raises into the scheduler.
+* Garbled or foreign ``ec_transfer_params``, or params of another layout
+  (model, dtype) or whose rows differ from the request's, are refused (logged,
+  counted) and the request falls back the same way; nothing raises into the
+  scheduler. A producer that did not answer is not tried again for
+  ``timeout_s``: requests naming it fall back at once.
+* Leases end on the consumer's notification or after ``lease_s``, checked on
+  every step and by a small thread while leases are held (an idle engine does
+  not step).
 """
 
 from __future__ import annotations
