@@ -10,7 +10,8 @@
 # they are removed again. On a GPU host, e.g.:
 #   make test TORCH_SPEC=torch VLLM_SPEC=vllm==0.32.0 EXTRAS=test,plot,nixl,cuda12
 # The nixl extra (nixl-cu12: a 69 MB wheel, ~220 MB installed, nothing else pulled,
-# torch kept) runs tests/test_remote.py's transfers; EXTRAS=test,plot skips them.
+# torch kept) runs tests/test_remote.py's transfers and the connector's pulls between
+# hosts (tests/test_connector_nixl.py, tests/test_e2e_nixl.py); EXTRAS=test,plot skips them.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0

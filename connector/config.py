@@ -16,6 +16,15 @@ vLLM at start-up with a message instead of failing a request later.
 | ``num_programs`` | kernel defaults (8 save, 16 load) | persistent programs per launch |
 | ``populate`` | ``"background"`` | ``"background"``: serve at once, blocks usable as pre-faulted; |
 |  |  | ``"eager"``: pre-fault (and register) all before start-up; ``"lazy"``: no pre-fault |
+| ``nixl`` | ``None`` (off) | pull items between hosts' arenas (:mod:`.remote_pull`): a dict of |
+|  |  | :data:`NIXL_DEFAULTS` keys; ``{}`` takes every default. Off: nixl is never imported |
+
+``nixl`` keys: ``listen_port`` (0: a free port; the producer's must be reachable
+from consumers), ``host`` (the address other hosts reach this one at; default:
+the outward interface), ``backends`` (NIXL backends, ``["UCX"]``), ``lease_s``
+(producer: how long announced items stay pinned without a consumer's
+notification), ``timeout_s`` (consumer: bound on connecting to a producer and on
+one pull; past it the request's items are encoded locally).
 """
 
 from __future__ import annotations
@@ -37,7 +46,65 @@ DEFAULTS: dict[str, Any] = {
     "num_programs": None,
     "populate": "background",
     "persistent": False,
+    "nixl": None,
 }
+NIXL_DEFAULTS: dict[str, Any] = {
+    "listen_port": 0,
+    "host": None,
+    "backends": ["UCX"],
+    "lease_s": 30.0,
+    "timeout_s": 30.0,
+}
+
+
+@dataclass(frozen=True)
+class NixlConfig:
+    """The ``nixl`` key: see the module docstring."""
+
+    listen_port: int = 0
+    host: str | None = None
+    backends: tuple[str, ...] = ("UCX",)
+    lease_s: float = 30.0
+    timeout_s: float = 30.0
+
+    @classmethod
+    def from_value(cls, value: Any) -> NixlConfig | None:
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"nixl must be a dict of {sorted(NIXL_DEFAULTS)} (or null to disable), "
+                f"got {type(value).__name__} {value!r}"
+            )
+        unknown = sorted(set(value) - set(NIXL_DEFAULTS))
+        if unknown:
+            raise ConfigError(
+                f"unknown nixl key(s) {unknown}; nixl accepts {sorted(NIXL_DEFAULTS)}"
+            )
+        v = {**NIXL_DEFAULTS, **value}
+        port = v["listen_port"]
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(f"nixl.listen_port must be an int in 0..65535, got {port!r}")
+        host = v["host"]
+        if host is not None and (not isinstance(host, str) or not host):
+            raise ConfigError(f"nixl.host must be a non-empty string or null, got {host!r}")
+        backends = v["backends"]
+        if (
+            not isinstance(backends, (list, tuple))
+            or not backends
+            or not all(isinstance(b, str) and b for b in backends)
+        ):
+            raise ConfigError(
+                f'nixl.backends must be a non-empty list of backend names (e.g. ["UCX"]), '
+                f"got {backends!r}"
+            )
+        times = {}
+        for key in ("lease_s", "timeout_s"):
+            t = v[key]
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
+                raise ConfigError(f"nixl.{key} must be a positive number of seconds, got {t!r}")
+            times[key] = float(t)
+        return cls(port, host, tuple(backends), **times)
 
 
 @dataclass(frozen=True)
@@ -49,6 +116,7 @@ class OffloadConfig:
     num_programs: int | None
     populate: str = "background"
     persistent: bool = False
+    nixl: NixlConfig | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -108,4 +176,6 @@ class OffloadConfig:
         persistent = values["persistent"]
         if not isinstance(persistent, bool):
             raise ConfigError(f"persistent must be true or false, got {persistent!r}")
-        return cls(arena - arena % block, block, arena_dir, name, programs, populate, persistent)
+        nixl = NixlConfig.from_value(values["nixl"])
+        return cls(arena - arena % block, block, arena_dir, name, programs, populate, persistent,
+                   nixl)  # fmt: skip

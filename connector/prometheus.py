@@ -46,6 +46,17 @@ DESCRIPTIONS = {
     "saves_failed": "Reserved saves that were not completed (wrong size, not produced, "
     "copy failed).",
     "unexpected_reports": "Worker reports for keys or loads the scheduler did not ship.",
+    "remote_items_announced": "Encoder outputs announced to other hosts in ec_transfer_params "
+    "(pinned until the consumer's notification or the lease's end).",
+    "remote_leases_expired": "Announcements released because their lease ended before a "
+    "consumer's notification.",
+    "remote_items_pulled": "Encoder outputs pulled from another host's arena with NIXL.",
+    "remote_bytes_pulled": "Bytes of encoder outputs pulled from other hosts' arenas.",
+    "remote_pull_failures": "Pulls from other hosts that failed, timed out or failed their "
+    "CRC-32 (the items were encoded locally).",
+    "remote_pulls_skipped_no_room": "Announced items not pulled: no room in the local arena.",
+    "remote_fallbacks": "Requests whose announced items were encoded locally instead.",
+    "remote_params_refused": "Garbled or foreign ec_transfer_params refused.",
     "encoder_outputs": "Fresh encoder outputs handed to the writing worker.",
     "save_launches": "Copy launches into the arena (one per step with saves).",
     "load_launches": "Copy launches out of the arena (one per step with loads).",

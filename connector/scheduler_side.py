@@ -22,9 +22,17 @@ rank has reported its unpack complete. Steps whose metadata vLLM dropped
 released. Reservations and pins belong to this process: if it dies, the
 catalog releases them for the other instances.
 
-Hooks with nothing to do, answered on purpose (see the README's hook table):
-``ensure_cache_available`` (every promised item is already in the local
-arena, pinned), ``take_unavailable_requests`` (a pinned item cannot become
+Between hosts (``nixl`` configured, :mod:`.remote_pull`): ``request_finished``
+returns ``ec_transfer_params`` announcing the request's READY items (pinned for
+a lease; never delays KV freeing), ``ensure_cache_available`` holds a request
+while one NIXL read pulls its announced items into the local arena (then they
+load as ordinary hits), ``take_unavailable_requests`` returns requests whose
+items could neither be pulled nor encoded locally; each step
+(``build_connector_meta``) advances reads and releases leases.
+
+Without ``nixl``, hooks with nothing to do, answered on purpose (see the README's
+hook table): ``ensure_cache_available`` (every promised item is already in the
+local arena, pinned), ``take_unavailable_requests`` (a pinned item cannot become
 unavailable), ``update_state_after_free`` (vLLM dropping its GPU copy changes
 nothing in the arena), ``request_finished`` (pins belong to steps, not to
 requests; KV freeing is never delayed).
@@ -49,7 +57,8 @@ from .compat import (
 )
 from .config import OffloadConfig
 from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata, LoadSpec, SaveSpec
-from .shared_arena import open_catalog, open_shared_arena
+from .remote_pull import RemoteConsumer, RemoteProducer, open_peer
+from .shared_arena import default_arena_name, open_catalog, open_shared_arena
 from .stats import COUNTERS, ECOffloadStats, delta
 
 log = logging.getLogger(__name__)
@@ -68,6 +77,22 @@ class SchedulerSide:
         self._reports = worker_meta_reaches_scheduler(vllm_config)
         self.arena = open_shared_arena(config, vllm_config, register_cuda="never")
         self.catalog = open_catalog(self.arena)
+        self._counts: Counter[str] = Counter()
+        self.peer = self.remote_producer = self.remote_consumer = None
+        if config.nixl is not None:  # pulls between hosts (remote_pull.py)
+            try:
+                self.peer = open_peer(self.arena, config.nixl)
+            except BaseException:
+                self.catalog.close()
+                self.arena.close()
+                raise
+            layout = default_arena_name(vllm_config)  # hashes model and dtype
+            if self.producer:
+                self.remote_producer = RemoteProducer(self.peer, self.catalog, config.nixl,
+                                                      self._counts, layout=layout)  # fmt: skip
+            if self.consumer:
+                self.remote_consumer = RemoteConsumer(self.peer, self.catalog, config.nixl,
+                                                      self._counts, layout=layout)  # fmt: skip
         self._me = (os.getpid(), process_start_time(os.getpid()) or 0)
         self._step = 0
         self._promised: set[str] = set()
@@ -79,7 +104,6 @@ class SchedulerSide:
         self._load_reports: Counter[str] = Counter()  # rank reports not yet turned into unpins
         self._loading: Counter[str] = Counter()  # shipped loads still holding a pin
         self._writing: dict[str, tuple[int, int]] = {}  # shipped save -> (nbytes, generation)
-        self._counts: Counter[str] = Counter()
         self._reported: dict[str, int] = {}
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -127,6 +151,10 @@ class SchedulerSide:
             self._writing[key] = (entry.nbytes, entry.generation)
 
     def build_connector_meta(self, scheduler_output: Any) -> ECOffloadMetadata:
+        if self.remote_producer is not None:  # once per step: leases read or expired
+            self.remote_producer.step()
+        if self.remote_consumer is not None:  # once per step: connections, reads
+            self.remote_consumer.step()
         for key in self._promised:  # promised, but vLLM did not schedule the item
             self.catalog.unpin(key)
         self._promised.clear()
@@ -212,9 +240,15 @@ class SchedulerSide:
         self.catalog.unpin(key)
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
-        # Pins and reservations belong to steps, not requests, and are released
-        # by worker reports; nothing to free here, and never delay KV freeing.
-        return False, None
+        # Pins and reservations of steps are released by worker reports; a remote
+        # announcement's pins by the consumer's notification or the lease. vLLM
+        # ORs the bool into the KV blocks' delay-free flag, which only a KV
+        # connector can clear: never delay KV freeing.
+        if self.remote_consumer is not None:
+            self.remote_consumer.forget(request.request_id)
+        if self.remote_producer is None:
+            return False, None
+        return False, self.remote_producer.announce(request)
 
     def has_pending_push_work(self) -> bool:
         """Keep an idle engine stepping while a shipped save or load awaits its report.
@@ -227,10 +261,20 @@ class SchedulerSide:
         return self._idle_reports and bool(self._writing or self._loading)
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
-        return True  # promised items are already in the local arena, pinned
+        if self.remote_consumer is None:
+            return True  # promised items are already in the local arena, pinned
+        try:
+            return self.remote_consumer.admit(request, num_computed_tokens)
+        except Exception:  # a pull must never fail the scheduler: encode locally instead
+            log.exception("ecoffload: admitting %s failed; its items are encoded locally",
+                          request.request_id)  # fmt: skip
+            request.ec_transfer_params = None
+            return True
 
     def take_unavailable_requests(self) -> set[str]:
-        return set()  # a pinned local item cannot become unavailable
+        if self.remote_consumer is None:
+            return set()  # a pinned local item cannot become unavailable
+        return self.remote_consumer.take_unavailable()
 
     def update_state_after_free(self, request: Any, index: int) -> None:
         return None  # vLLM freeing its GPU copy changes nothing in the arena
@@ -259,5 +303,11 @@ class SchedulerSide:
         return ECOffloadStats(data=changed) if changed else None
 
     def shutdown(self) -> None:
+        if self.remote_consumer is not None:
+            self.remote_consumer.close()
+        if self.remote_producer is not None:
+            self.remote_producer.close()
+        if self.peer is not None:
+            self.peer.close()
         self.catalog.close()
         self.arena.close()

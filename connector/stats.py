@@ -30,6 +30,14 @@ COUNTERS = (
     "saves_skipped_no_room",
     "saves_failed",
     "unexpected_reports",  # worker reports for keys or loads the scheduler did not ship
+    "remote_items_announced",  # producer: items offered to other hosts (pinned for a lease)
+    "remote_leases_expired",  # producer: leases released by expiry, not by a consumer
+    "remote_items_pulled",  # consumer: items pulled from another host's arena
+    "remote_bytes_pulled",
+    "remote_pull_failures",  # consumer: pulls that failed, timed out or failed their CRC
+    "remote_pulls_skipped_no_room",  # consumer: announced items with no local room
+    "remote_fallbacks",  # consumer: requests that encode announced items locally
+    "remote_params_refused",  # consumer: garbled or foreign ec_transfer_params
 )
 WORKER_COUNTERS = (
     "encoder_outputs",  # fresh encoder outputs the worker was handed (save_caches)

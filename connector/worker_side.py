@@ -15,7 +15,9 @@ Only the writer rank (rank 0 of the tensor- and prefill-context-parallel
 groups, first pipeline stage) writes and reports the worker counters; every
 rank loads. Copies run on the mover's stream; the writer commits a save in
 the host's shared catalog (making it visible to every instance) only once its
-event has completed, and aborts the reservations it will never fill. V2 runs
+event has completed (with ``nixl`` configured: before the step's report, so
+a request's items are READY when it finishes and the scheduler announces
+it), and aborts the reservations it will never fill. V2 runs
 the same hooks on steps without a forward, which is how copies still in
 flight at the end of traffic get committed and reported.
 """
@@ -75,6 +77,9 @@ class WorkerSide:
         self._steps: set[int] = set()
         self._pending_saves: list[tuple[Completion, dict[str, _Saved]]] = []  # until complete
         self._checksums = config.persistent  # a warm restart re-checks them
+        # Between hosts (nixl), the scheduler announces a request's items when it
+        # finishes, READY ones only: commit a step's saves before reporting it.
+        self._publish_in_step = config.nixl is not None and self.writes
         self._pending_loads: list[tuple[Completion, list[str]]] = []
         self._counts: Counter[str] = Counter()
         self._reported: dict[str, int] = {}
@@ -133,6 +138,9 @@ class WorkerSide:
         self._flush_saves()
         report = ECOffloadWorkerMetadata(steps=self._steps, not_saved=self._not_saved)
         self._steps, self._not_saved = set(), {}
+        if self._publish_in_step:
+            for done, _ in self._pending_saves:
+                done.wait()
         saved, self._pending_saves = split_completed(self._pending_saves)
         for batch in saved:
             self._commit(batch, report)

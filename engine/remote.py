@@ -32,7 +32,10 @@ side is neither read nor written).
 
 Connecting: by :meth:`ArenaPeer.metadata` bytes (passed out of band; nothing
 listens), or by card through NIXL's listener (the remote's ``listen_port``;
-this peer must listen too, since the answer comes back to its own listener).
+this peer must listen too, since the answer comes back to its own listener):
+:meth:`connect` waits for the answer, :meth:`begin_connect` /
+:meth:`connect_done` let a caller that must never block (vLLM's scheduler)
+poll for it.
 
 Completion: :meth:`poll` never blocks. A transfer ends "done", or "error" when
 NIXL reports a failure (the remote died or disconnected: NIXL raises, this
@@ -286,6 +289,7 @@ class ArenaPeer:
         self.base = arena.host.data_ptr()
         self._reg = self._agent.register_memory([(self.base, arena.nbytes, 0, "")], "DRAM")
         self._remotes: dict[str, PeerCard] = {}
+        self._connecting: dict[str, PeerCard] = {}  # begin_connect, metadata not here yet
         self._live: set[PullHandle] = set()  # posted and not settled
 
     def card(self) -> PeerCard:
@@ -352,7 +356,7 @@ class ArenaPeer:
         self._remotes[card.name] = card
         return card.name
 
-    def _fetch(self, card: PeerCard, timeout_s: float) -> None:
+    def _check_listeners(self, card: PeerCard) -> None:
         if card.host is None or card.port is None:
             raise RemotePeerError(
                 f"connect({card.name!r}): its card has no listener address: pass its "
@@ -363,6 +367,9 @@ class ArenaPeer:
                 f"connect({card.name!r}) by address: NIXL answers to this peer's own listener, "
                 f"and {self.name!r} has none: create it with listen_port=0 (or a port)"
             )
+
+    def _fetch(self, card: PeerCard, timeout_s: float) -> None:
+        self._check_listeners(card)
         self._agent.fetch_remote_metadata(card.name, card.host, card.port)
         deadline = time.monotonic() + timeout_s
         delay = 0.001
@@ -376,8 +383,38 @@ class ArenaPeer:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
+    def begin_connect(self, peer: PeerCard | Mapping[str, Any]) -> str:
+        """Start connecting by card without waiting (a scheduler must never block);
+        returns the remote's name: poll :meth:`connect_done` until True. Already
+        connected with this card: nothing to do; a changed card reconnects."""
+        card = peer if isinstance(peer, PeerCard) else PeerCard.from_dict(peer)
+        if self._remotes.get(card.name) == card:
+            return card.name
+        if card.name in self._remotes:
+            self.disconnect(card.name)
+        if self._connecting.get(card.name) == card:
+            return card.name
+        self._check_listeners(card)
+        self._agent.fetch_remote_metadata(card.name, card.host, card.port)
+        self._connecting[card.name] = card
+        return card.name
+
+    def connect_done(self, name: str) -> bool:
+        """Non-blocking: whether :meth:`begin_connect`'s remote ``name`` is readable now."""
+        if name in self._remotes:
+            return True
+        card = self._connecting.get(name)
+        if card is None:
+            raise RemotePeerError(f"connect_done({name!r}): begin_connect(card) it first")
+        if not self._agent.check_remote_metadata(name):
+            return False
+        del self._connecting[name]
+        self._remotes[name] = card
+        return True
+
     def disconnect(self, name: str) -> None:
         """Forget a remote peer; its transfers still pending end "error" (see ``settled``)."""
+        self._connecting.pop(name, None)
         if self._remotes.pop(name, None) is None:
             return
         for h in list(self._live):

@@ -14,6 +14,12 @@ the connector's counters, time per request. Several instances can share
 one arena (``--arena-name``): e.g. an ``ec_producer`` that keeps running
 (``--hold-until FILE``) while an ``ec_consumer`` serves its images, or an
 ``ec_both`` instance restarted on a ``--persistent`` arena.
+
+Between hosts (``--nixl '{"host": "127.0.0.1"}'``): a producer prints each
+request's ``ec_transfer_params`` in its result; a consumer given them
+(``--transfer-params FILE``, a JSON list in request order) sends each request
+with ``SamplingParams(extra_args={"ec_transfer_params": ...})``, as a
+disaggregation proxy does, and pulls the items from the producer's arena.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class ScenarioResult:
     writing_after: int | None = None
     pinned_after: int | None = None
     load_seconds: float = 0.0
+    ec_transfer_params: list = field(default_factory=list)  # per request (a producer's)
 
 
 def count_encoder_runs(worker: Any) -> int:
@@ -90,6 +97,7 @@ def ec_transfer_config(
     arena_name: str | None = None,
     role: str = "ec_both",
     persistent: bool = False,
+    nixl: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The scenario's connector config: a 16 MiB arena of 16 KiB blocks."""
     extra: dict[str, Any] = {"arena_bytes": "16MiB", "block_bytes": "16KiB", "arena_dir": arena_dir}
@@ -97,6 +105,8 @@ def ec_transfer_config(
         extra["arena_name"] = arena_name
     if persistent:
         extra["persistent"] = True
+    if nixl is not None:
+        extra["nixl"] = nixl
     return {
         "ec_connector": "ECOffloadConnector",
         "ec_connector_module_path": "ecoffload.connector",
@@ -137,6 +147,8 @@ def run_here(
     role: str = "ec_both",
     arena_name: str | None = None,
     persistent: bool = False,
+    nixl: dict[str, Any] | None = None,
+    transfer_params: list | None = None,
 ) -> tuple[ScenarioResult, Any]:
     """Run the scenario in this process (call through :func:`run` for a fresh one);
     returns the result and the ``LLM`` (still running)."""
@@ -156,7 +168,7 @@ def run_here(
     )
     if connector:
         kwargs["ec_transfer_config"] = ec_transfer_config(
-            arena_dir, arena_name=arena_name, role=role, persistent=persistent
+            arena_dir, arena_name=arena_name, role=role, persistent=persistent, nixl=nixl
         )
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
@@ -167,10 +179,17 @@ def run_here(
     pictures = make_images(max(order, default=-1) + 1)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     before = llm.collective_rpc(count_encoder_runs)[0]
-    for index in order:
+    for i, index in enumerate(order):
         prompt = {"prompt": "describe", "multi_modal_data": {"image": pictures[index]}}
+        params = greedy
+        if transfer_params is not None and transfer_params[i] is not None:
+            # What a disaggregation proxy does: the producer's answer rides along.
+            extra = {"ec_transfer_params": transfer_params[i]}
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                    extra_args=extra)  # fmt: skip
         t0 = time.perf_counter()
-        (out,) = llm.generate([prompt], greedy, use_tqdm=False)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        result.ec_transfer_params.append(out.ec_transfer_params)
         result.seconds.append(time.perf_counter() - t0)
         runs = llm.collective_rpc(count_encoder_runs)[0]
         result.requests.append(index)
@@ -199,6 +218,8 @@ def _command(
     arena_name: str | None = None,
     persistent: bool = False,
     hold_until: str | None = None,
+    nixl: dict[str, Any] | None = None,
+    transfer_params: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     env.update(
@@ -223,6 +244,10 @@ def _command(
         cmd += ["--arena-name", arena_name]
     if hold_until is not None:
         cmd += ["--hold-until", hold_until]
+    if nixl is not None:
+        cmd += ["--nixl", json.dumps(nixl)]
+    if transfer_params is not None:
+        cmd += ["--transfer-params", transfer_params]
     return cmd, env
 
 
@@ -238,7 +263,8 @@ def run(
     """Run the scenario in a fresh Python process and return its result.
 
     ``options``: ``order`` (image indices to request), ``role``, ``arena_name``,
-    ``persistent`` (see :func:`run_here`).
+    ``persistent``, ``nixl`` (see :func:`run_here`), ``transfer_params`` (a JSON
+    file: a list of ``ec_transfer_params``, one per request).
     """
     with tempfile.TemporaryDirectory(prefix="ecoffload-scenario-") as tmp:
         model_dir = model_dir or build_tiny_paligemma(os.path.join(tmp, "model"))
@@ -305,9 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--order", default=None, help="image indices to request, e.g. 0,1,0")
     parser.add_argument("--hold-until", default=None,
                         help="after printing the result keep running until this file exists")
+    parser.add_argument("--nixl", default=None, help="the nixl config key, as JSON")
+    parser.add_argument(
+        "--transfer-params", default=None, help="JSON file: ec_transfer_params per request"
+    )
     parser.add_argument("--json", action="store_true", help="run here, print one JSON line")
     args = parser.parse_args(argv)
     order = [int(i) for i in args.order.split(",")] if args.order else None
+    nixl = json.loads(args.nixl) if args.nixl else None
+    transfer_params = None
+    if args.transfer_params:
+        with open(args.transfer_params) as f:
+            transfer_params = json.load(f)
     if args.json:
         tmp = tempfile.mkdtemp(prefix="ecoffload-scenario-")
         result, llm = run_here(
@@ -319,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             role=args.role,
             arena_name=args.arena_name,
             persistent=args.persistent,
+            nixl=nixl,
+            transfer_params=transfer_params,
         )
         print(json.dumps(asdict(result)), flush=True)
         deadline = time.monotonic() + 900
@@ -329,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         del llm
         return 0
     result = run(connector=args.connector, multiprocess=args.multiprocess, order=order,
-                 role=args.role, arena_name=args.arena_name, persistent=args.persistent)
+                 role=args.role, arena_name=args.arena_name, persistent=args.persistent,
+                 nixl=nixl, transfer_params=args.transfer_params)
     print(json.dumps(asdict(result)), flush=True)
     return 0
 

@@ -172,6 +172,30 @@ def test_one_read_moves_a_fragmented_request_bit_exactly(arenas, how):
 
 
 @needs_nixl
+def test_connecting_without_waiting(arenas):
+    src, dst = arenas
+    with ArenaPeer(src, "prod", listen_port=0, host="127.0.0.1") as prod, \
+            ArenaPeer(dst, "cons", listen_port=0, host="127.0.0.1") as cons:  # fmt: skip
+        t0 = time.monotonic()
+        assert cons.begin_connect(prod.card().to_dict()) == "prod"
+        assert time.monotonic() - t0 < 1.0  # returns at once
+        assert cons.begin_connect(prod.card()) == "prod"  # already under way: nothing new
+        deadline = time.monotonic() + 10
+        while not cons.connect_done("prod"):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert cons.begin_connect(prod.card()) == "prod" and "prod" in cons.remotes
+        (p,) = plan(4, [5000], 4096, 64, 8192, 48)
+        h = cons.read("prod", [p])
+        assert cons.wait(h, 30) == "done", h.error
+        assert torch.equal(dst.host, expected_after(src.host, dst.nbytes, [p], 4096, 8192))
+        with pytest.raises(RemotePeerError, match="begin_connect"):
+            cons.connect_done("nobody")
+    with ArenaPeer(dst, "quiet") as quiet, pytest.raises(RemotePeerError, match="has none"):
+        quiet.begin_connect(PeerCard("x", "127.0.0.1", 1, 1 << 40, 4096, 4))
+
+
+@needs_nixl
 def test_reads_of_odd_sizes_one_by_one(arenas):
     src, dst = arenas
     with ArenaPeer(src, "prod") as prod, ArenaPeer(dst, "cons") as cons:

