@@ -35,6 +35,7 @@ CONNECTOR_TESTS = [
     "tests/test_connector_contract.py",
     "tests/test_connector_inflight.py",
     "tests/test_connector_reports.py",
+    "tests/test_connector_nixl.py",
     "tests/test_connector_runners.py",
 ]
 # module -> the fast tests that exercise it

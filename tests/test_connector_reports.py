@@ -60,6 +60,8 @@ def test_a_dropped_step_releases_its_loads_and_aborts_its_saves_echoed_ones_stan
     assert sched.has_pending_push_work() == sched.side._idle_reports
     report(sched, loaded=Counter({"kept": 1}))
     assert catalog.entry("kept").pins == 0
+    report(sched, saved={"fresh": ("bfloat16", (4, 64))})
+    assert not sched.side._sizes and not sched.side._writing  # no bookkeeping left
     catalog.check()
 
 
@@ -73,6 +75,18 @@ def test_every_step_older_than_the_newest_echo_is_settled_in_one_report(sched):
     assert first.step < second.step < newest.step
     assert sched.side.catalog.entry("a").pins == sched.side.catalog.entry("b").pins == 0
     assert not sched.side._shipped
+
+
+def test_a_dropped_step_after_an_echoed_one_is_undone_too(sched):
+    ready(sched, "a")
+    ready(sched, "b")
+    echoed = step(sched, ("a", 4))
+    dropped = step(sched, ("b", 4), ("c", 4))
+    newest = step(sched)
+    report(sched, steps={echoed.step, newest.step}, loaded=Counter({"a": 1}))
+    assert dropped.step not in sched.side._shipped and not sched.side._shipped
+    assert sched.side.catalog.entry("b").pins == 0 and sched.side.catalog.state("c") is None
+    assert not sched.side._sizes
 
 
 def test_one_load_report_per_shipped_load_of_the_same_item(sched):
