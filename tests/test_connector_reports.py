@@ -6,6 +6,7 @@ trip) so each rule is checked alone; the runner-driven tests cover the usual
 flow. Written against mutation-testing survivors of connector/scheduler_side.py.
 """
 
+import os
 from collections import Counter
 
 import pytest
@@ -137,3 +138,50 @@ def test_evictions_are_counted(sched):
         ready(sched, f"k{i}", 4096)
     stats = sched.offload_stats()
     assert stats["evictions"] == 3 and stats["items_resident"] == blocks
+
+
+def test_asking_twice_in_one_step_promises_once(sched):
+    ready(sched, "img")
+    assert sched.has_cache_item("img") and sched.has_cache_item("img")
+    assert sched.side.catalog.entry("img").pins == 1  # one promise, one pin
+    step(sched, ("img", 4))
+    assert sched.offload_stats()["hits"] == 1
+
+
+PRODUCE_ELSEWHERE = """
+import sys
+from ecoffload.engine.arena import Arena
+from ecoffload.engine.shared_catalog import SharedCatalog
+directory, name, layout, key = sys.argv[1:]
+arena = Arena.open_shared(name, block_bytes=4096, directory=directory, layout_key=layout,
+                          register_cuda="never")
+with arena, SharedCatalog.for_arena(arena) as catalog:
+    catalog.reserve(key, 512)
+    catalog.commit(key)
+"""
+
+
+def test_hits_on_items_another_process_saved_are_counted_as_such(sched):
+    import subprocess
+    import sys
+
+    from ecoffload.connector.shared_arena import layout_key
+    from ecoffload.engine.arena import layout_key_text
+
+    arena = sched.side.arena
+    ready(sched, "mine")
+    ready(sched, "also-mine")
+    subprocess.run([sys.executable, "-c", PRODUCE_ELSEWHERE, os.path.dirname(arena.path),
+                    os.path.basename(arena.path),
+                    layout_key_text(layout_key(sched.side._vllm_config)), "theirs"],
+                   check=True, timeout=120)  # fmt: skip
+    assert all(sched.has_cache_item(k) for k in ("mine", "also-mine", "theirs"))
+    stats = sched.offload_stats()
+    assert (stats["hits"], stats["hits_from_other_instances"]) == (3, 1)
+
+
+def test_each_save_without_room_is_counted(sched):
+    blocks = sched.side.arena.num_blocks
+    sched.side.catalog.reserve("hog", blocks * 4096)  # WRITING: nothing can be evicted
+    step(sched, ("a", 4), ("b", 4))
+    assert sched.offload_stats()["saves_skipped_no_room"] == 2
