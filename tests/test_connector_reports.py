@@ -185,3 +185,25 @@ def test_each_save_without_room_is_counted(sched):
     sched.side.catalog.reserve("hog", blocks * 4096)  # WRITING: nothing can be evicted
     step(sched, ("a", 4), ("b", 4))
     assert sched.offload_stats()["saves_skipped_no_room"] == 2
+
+
+def test_the_worker_counts_what_it_copied_and_the_arena_it_sees(arena_dir, model_config):
+    from vllm_harness import encoder_output, worker_step
+
+    sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
+    try:
+        src = encoder_output(4, 1)
+        save = step(sched, ("img", 4))
+        sched.update_connector_output(ECConnectorOutput(
+            ec_connector_worker_meta=worker_step(worker, save, {}, {"img": src})))  # fmt: skip
+        cache = {}
+        worker_step(worker, step(sched, ("img", 4)), cache, {})
+        stats = worker.offload_stats()
+        assert (stats["items_saved"], stats["bytes_saved"]) == (1, src.nbytes)
+        assert (stats["items_loaded"], stats["bytes_loaded"]) == (1, src.nbytes)
+        launches = (stats["save_launches"], stats["load_launches"], stats["encoder_outputs"])
+        assert launches == (1, 1, 1)
+        assert stats["arena_ready_fraction"] == 1.0 and stats["arena_registered_fraction"] == 0.0
+    finally:
+        worker.shutdown()
+        sched.shutdown()
