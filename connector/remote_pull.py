@@ -488,10 +488,8 @@ class RemoteConsumer:
 
     def _abort(self, reserved: Mapping[str, tuple[int, Any]]) -> None:
         for key, (generation, _) in reserved.items():
-            with contextlib.suppress(CatalogError):
-                entry = self.catalog.entry(key)
-                if entry.state is ItemState.WRITING and entry.generation == generation:
-                    self.catalog.abort(key)
+            with contextlib.suppress(CatalogError):  # gone, or reserved again
+                self.catalog.abort(key, generation=generation)
 
     def forget(self, request_id: str) -> None:
         """The request finished (or was aborted): its pull, if any, runs to its end alone."""

@@ -40,12 +40,12 @@ requests; KV freeing is never delayed).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter
 from typing import Any
 
-from ..engine.catalog import ItemState
 from ..engine.errors import CatalogError, DuplicateItemError
 from ..engine.shared_catalog import process_start_time
 from ..profiling.nvtx import nvtx_range
@@ -220,12 +220,8 @@ class SchedulerSide:
 
     def _abort(self, key: str, generation: int) -> None:
         """Abort our reservation ``generation`` of ``key`` if it is still WRITING."""
-        try:
-            entry = self.catalog.entry(key)
-            if entry.state is ItemState.WRITING and entry.generation == generation:
-                self.catalog.abort(key)
-        except CatalogError:
-            pass  # already gone
+        with contextlib.suppress(CatalogError):  # gone, or reserved again
+            self.catalog.abort(key, generation=generation)
 
     def _finish_load(self, key: str) -> None:
         entry = self.catalog.entry(key)

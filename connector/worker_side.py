@@ -24,6 +24,7 @@ flight at the end of traffic get committed and reported.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from typing import Any, NamedTuple
@@ -31,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..engine.cache import dtype_from_name, dtype_name
-from ..engine.catalog import ItemState, item_crc32
+from ..engine.catalog import item_crc32
 from ..engine.errors import ArenaError, CatalogError
 from ..engine.transfer import BlockMover, Completion, split_completed
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
@@ -198,12 +199,8 @@ class WorkerSide:
 
     def _abort(self, key: str, generation: int) -> None:
         """Give back reservation ``generation`` of ``key``: it will never be filled."""
-        try:
-            entry = self.catalog.entry(key)
-            if entry.state is ItemState.WRITING and entry.generation == generation:
-                self.catalog.abort(key)
-        except CatalogError:
-            pass  # already gone (the scheduler's process died and it was reaped)
+        with contextlib.suppress(CatalogError):  # gone, or reserved again
+            self.catalog.abort(key, generation=generation)
 
     def stats(self) -> dict[str, int | float]:
         """This worker's cumulative counters: encoder outputs seen, launches, items

@@ -747,11 +747,22 @@ class SharedCatalog:
         self._end()
         return entry
 
-    def abort(self, key: str) -> None:
-        """WRITING -> gone: the save failed or was cancelled; free its blocks."""
+    def abort(self, key: str, *, generation: int | None = None) -> None:
+        """WRITING -> gone: the save failed or was cancelled; free its blocks.
+
+        ``generation`` (from the reserving entry) refuses to abort a newer
+        reservation of the same key, as in :meth:`commit`.
+        """
         self._begin()
         try:
-            self._drop(self._expect(key, WRITING, "abort"), evicted=False)
+            s = self._expect(key, WRITING, "abort")
+            found = self._w[self._sl + s * SLOT_WORDS + S_GEN]
+            if generation is not None and found != generation:
+                raise ItemStateError(
+                    f"abort({key!r}): reservation {generation} is gone (the key was "
+                    f"reserved again as {found}); leaving the newer one alone"
+                )
+            self._drop(s, evicted=False)
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise

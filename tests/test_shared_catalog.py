@@ -435,3 +435,17 @@ def test_lookup_can_pin_a_hit_under_the_same_lock(tmp_path):
     a.check()
     a.close()
     b.close()
+
+
+def test_abort_names_its_reservation_like_commit(tmp_path):
+    a = open_shared(tmp_path / "c", 8)
+    old = a.reserve("x", B).generation
+    a.abort("x", generation=old)
+    new = a.reserve("x", B).generation
+    with pytest.raises(ItemStateError, match="reserved again"):
+        a.abort("x", generation=old)  # a stale abort leaves the newer reservation alone
+    assert a.state("x") is ItemState.WRITING
+    a.abort("x", generation=new)
+    assert a.state("x") is None
+    a.check()
+    a.close()
