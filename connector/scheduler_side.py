@@ -130,7 +130,8 @@ class SchedulerSide:
         if key in self._loads or not self.producer or self.catalog.state(key) is not None:
             return  # loading, not ours to save, or saved (or being saved) by any instance
         rows = request.get_num_encoder_embeds(index)
-        self._sizes[key] = (feature.modality, rows)
+        if self._reports:  # a worker report will learn the row size from it, then drop it
+            self._sizes[key] = (feature.modality, rows)
         row_bytes = self._row_bytes.get(feature.modality) or encoder_row_bytes(
             self._vllm_config, feature.modality
         )
@@ -163,8 +164,7 @@ class SchedulerSide:
             self._step, self.arena.nonce, list(self._loads.values()), dict(self._saves)
         )
         if self._loads or (self._saves and self._reports):
-            self._shipped[self._step] = (list(self._saves) if self._reports else [],
-                                         list(self._loads))  # fmt: skip
+            self._shipped[self._step] = (list(self._saves), list(self._loads))
         self._loading.update(list(self._loads))  # one pin per shipped load
         self._loads, self._saves = {}, {}
         return meta

@@ -193,7 +193,7 @@ class WorkerSide:
                                     shape=item.shape)  # fmt: skip
             except CatalogError as exc:  # the reservation is gone: never serve these bytes
                 log.warning("ecoffload: not publishing %s: %s", key, exc)
-                self._not_saved[key] = -1
+                report.not_saved[key] = -1  # in this report, beside the saves it holds
                 continue
             report.saved[key] = (item.dtype, item.shape)
 

@@ -155,6 +155,7 @@ _REGISTER_SPAN = 1 << 30  # largest single cudaHostRegister while following the 
 RegisterMode = Literal["auto", "always", "never"]
 PopulateMode = Literal["background", "eager", "lazy"]
 POPULATE_MODES: tuple[str, ...] = ("background", "eager", "lazy")
+REGISTER_MODES: tuple[str, ...] = ("auto", "always", "never")
 
 
 class _AnyLayout:
@@ -276,7 +277,7 @@ class Arena:
         lifetime: int,
     ) -> Arena:
         check_arena_name(name)
-        _check_populate(populate)
+        _check_modes(register_cuda, populate)
         if layout_key is ANY_LAYOUT:
             raise ArenaError("ANY_LAYOUT is for attach: give create the arena's real layout key")
         key = layout_key_text(layout_key).encode()
@@ -382,7 +383,7 @@ class Arena:
         registration follows the ready prefix in the background.
         """
         check_arena_name(name)
-        _check_populate(populate)
+        _check_modes(register_cuda, populate)
         path = os.path.join(directory, name)
         deadline = time.monotonic() + timeout_s
         fd, mm = _wait_for_header(path, deadline, timeout_s)
@@ -480,7 +481,7 @@ class Arena:
         (one open file description): open it after the fork instead.
         """
         check_arena_name(name)
-        _check_populate(populate)
+        _check_modes(register_cuda, populate)
         if layout_key is ANY_LAYOUT:
             raise ArenaError("open_shared needs the arena's real layout key, not ANY_LAYOUT")
         if num_blocks is not None and num_blocks <= 0:
@@ -1131,7 +1132,12 @@ class _Registrar:
             self._thread.join()
 
 
-def _check_populate(populate: str) -> None:
+def _check_modes(register_cuda: str, populate: str) -> None:
+    # Refused before any file is made: an unknown mode would silently act as "auto".
+    if register_cuda not in REGISTER_MODES:
+        raise ArenaError(
+            f"register_cuda must be one of {list(REGISTER_MODES)}, got {register_cuda!r}"
+        )
     if populate not in POPULATE_MODES:
         raise ArenaError(f"populate must be one of {list(POPULATE_MODES)}, got {populate!r}")
 

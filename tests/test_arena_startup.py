@@ -9,6 +9,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import threading
@@ -140,6 +141,20 @@ def test_lazy_faults_nothing(arena_dir, monkeypatch):
 def test_unknown_populate_mode_is_refused(arena_dir):
     with pytest.raises(ArenaError, match="populate must be one of"):
         create(arena_dir, populate="later")
+    assert os.listdir(arena_dir) == []
+
+
+@pytest.mark.parametrize("mode", ["Never", "no", None])
+def test_unknown_register_mode_is_refused_by_every_opener(arena_dir, mode):
+    """Not taken for "auto" (which registers whenever CUDA is there)."""
+    expected = re.escape(f"register_cuda must be one of ['auto', 'always', 'never'], got {mode!r}")
+    with pytest.raises(ArenaError, match=expected):
+        create(arena_dir, register_cuda=mode)
+    with pytest.raises(ArenaError, match=expected):
+        Arena.open_shared("shared", block_bytes=4096, num_blocks=4, directory=arena_dir,
+                          register_cuda=mode)  # fmt: skip
+    with create(arena_dir, name="there"), pytest.raises(ArenaError, match=expected):
+        Arena.attach("there", directory=arena_dir, register_cuda=mode)
     assert os.listdir(arena_dir) == []
 
 

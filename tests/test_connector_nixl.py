@@ -444,7 +444,8 @@ def test_without_nixl_key_nothing_is_imported(arena_dir, model_config, monkeypat
 
 
 @needs_nixl
-def test_an_unexpected_error_while_admitting_never_reaches_the_scheduler(hosts, monkeypatch):
+def test_an_unexpected_error_while_admitting_never_reaches_the_scheduler(hosts, monkeypatch,
+                                                                       caplog):
     (psched, pworker), (csched, _) = hosts()
     _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
 
@@ -453,5 +454,9 @@ def test_an_unexpected_error_while_admitting_never_reaches_the_scheduler(hosts, 
 
     monkeypatch.setattr(csched.side.catalog, "state", broken)
     request = consumer_request("c1", [("img", 5, 1)], params)
-    assert csched.ensure_cache_available(request, 0) is True  # encoded locally instead
+    with caplog.at_level("ERROR", logger="ecoffload.connector.scheduler_side"):
+        assert csched.ensure_cache_available(request, 0) is True  # encoded locally instead
     assert request.ec_transfer_params is None
+    (record,) = [r for r in caplog.records if r.name.startswith("ecoffload.")]
+    assert record.getMessage() == "ecoffload: admitting c1 failed; its items are encoded locally"
+    assert record.exc_info[1].args == ("catalog trouble",)  # the operator sees the cause

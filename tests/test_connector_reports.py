@@ -66,6 +66,15 @@ def test_a_dropped_step_releases_its_loads_and_aborts_its_saves_echoed_ones_stan
     catalog.check()
 
 
+def test_a_dropped_step_is_logged_by_number(sched, caplog):
+    dropped = step(sched, ("new", 4))
+    later = step(sched)
+    with caplog.at_level("DEBUG", logger="ecoffload.connector.scheduler_side"):
+        report(sched, steps={later.step})
+    mine = [r.getMessage() for r in caplog.records if r.name.startswith("ecoffload.")]
+    assert mine == [f"ecoffload: step {dropped.step} metadata was never processed; undoing it"]
+
+
 def test_every_step_older_than_the_newest_echo_is_settled_in_one_report(sched):
     ready(sched, "a")
     ready(sched, "b")
@@ -187,6 +196,40 @@ def test_each_save_without_room_is_counted(sched):
     assert sched.offload_stats()["saves_skipped_no_room"] == 2
 
 
+def test_a_step_is_named_ranges_on_the_nsight_timeline(sched, monkeypatch):
+    """What ECOFFLOAD_NVTX=1 shows for one request: each hook vLLM called, and the
+    catalog reservation inside the allocation hook (README, Profiling)."""
+    import contextlib
+
+    from ecoffload.profiling import nvtx
+
+    timeline = []
+
+    @contextlib.contextmanager
+    def annotate(message):
+        timeline.append(message)
+        yield
+        timeline.append("end")
+
+    monkeypatch.setattr(nvtx, "_annotate", annotate)
+    step(sched, ("img", 4))
+    assert timeline == [
+        "ecoffload.has_cache_item", "end",
+        "ecoffload.update_state_after_alloc", "ecoffload.reserve", "end", "end",
+        "ecoffload.build_connector_meta", "end",
+    ]  # fmt: skip
+
+
+def test_saves_are_sized_by_the_encoder_output_width_vllm_measured(sched):
+    """vLLM's engine core measures each modality's output width (it may differ from
+    the hidden size); the reservation uses it, per modality."""
+    from vllm_harness import HIDDEN
+
+    sched.side._vllm_config.ec_transfer_config.mm_encoder_output_widths = {"image": 3 * HIDDEN}
+    saves = step(sched, ("wide", 4)).saves
+    assert saves["wide"][1] == 4 * 3 * HIDDEN * 2  # rows x measured width x bf16
+
+
 def test_the_worker_counts_what_it_copied_and_the_arena_it_sees(arena_dir, model_config):
     from vllm_harness import encoder_output, worker_step
 
@@ -204,6 +247,100 @@ def test_the_worker_counts_what_it_copied_and_the_arena_it_sees(arena_dir, model
         launches = (stats["save_launches"], stats["load_launches"], stats["encoder_outputs"])
         assert launches == (1, 1, 1)
         assert stats["arena_ready_fraction"] == 1.0 and stats["arena_registered_fraction"] == 0.0
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+@pytest.mark.parametrize(("role", "duty"), [("ec_both", "writes saves"),
+                                            ("ec_consumer", "loads only")])  # fmt: skip
+def test_the_worker_names_what_it_mapped_when_it_starts(arena_dir, model_config, caplog, role,
+                                                        duty):  # fmt: skip
+    """The start-up line is how an operator sees which file, layout and copy path a
+    worker got: every value in it is the worker's own."""
+    sched, worker = make_pair(make_config(arena_dir, role=role, model_config=model_config))
+    try:
+        side = worker.side
+        side_logger = "ecoffload.connector.worker_side"
+        with caplog.at_level("INFO", logger=side_logger):
+            worker.start_worker_services()
+        arena = side.arena
+        expected = (
+            f"ecoffload: worker ready on {side.device}: arena {arena.path} "
+            f"({arena.num_blocks} blocks of {arena.block_bytes} bytes), "
+            f"{side.mover.path} copy path, {duty}"
+        )
+        mine = [r.getMessage() for r in caplog.records if r.name == side_logger]
+        assert mine == [expected]
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_a_failed_save_launch_never_fails_the_request(arena_dir, model_config, monkeypatch,
+                                                      caplog):  # fmt: skip
+    """The copy raising inside the worker: vLLM's step goes on, both reservations are
+    given back, the scheduler counts them failed, and the log says why."""
+    from vllm_harness import encoder_output, worker_step
+
+    sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
+    try:
+        def broken(*args):
+            raise RuntimeError("copy engine on fire")
+
+        monkeypatch.setattr(worker.side.mover, "save", broken)
+        meta = step(sched, ("a", 4), ("b", 2))
+        computed = {"a": encoder_output(4, 1), "b": encoder_output(2, 2)}
+        with caplog.at_level("ERROR", logger="ecoffload.connector.worker_side"):
+            got = worker_step(worker, meta, {}, computed)
+        (record,) = [r for r in caplog.records if r.name.startswith("ecoffload.")]
+        assert record.getMessage() == "ecoffload: saving 2 encoder outputs failed"
+        assert record.exc_info[1].args == ("copy engine on fire",)
+        assert got.not_saved == {"a": -1, "b": -1} and not got.saved
+        catalog = sched.side.catalog
+        assert catalog.state("a") is None and catalog.state("b") is None  # aborted at once
+        sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=got))
+        assert sched.offload_stats()["saves_failed"] == 2
+        assert worker.offload_stats()["save_launches"] == 0
+        catalog.check()
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_a_save_whose_reservation_was_taken_back_is_never_published(arena_dir, model_config,
+                                                                    caplog):  # fmt: skip
+    """The scheduler aborted the reservation while the copy ran (a dropped step): the
+    bytes were written into blocks that may be someone else's now; never publish."""
+    from vllm_harness import encoder_output, worker_step
+
+    sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
+    try:
+        meta = step(sched, ("img", 4))
+        sched.side.catalog.abort("img")
+        with caplog.at_level("WARNING", logger="ecoffload.connector.worker_side"):
+            got = worker_step(worker, meta, {}, {"img": encoder_output(4, 1)})
+        assert got.not_saved == {"img": -1} and not got.saved
+        assert sched.side.catalog.state("img") is None
+        (record,) = [r for r in caplog.records if r.name.startswith("ecoffload.")]
+        assert record.getMessage().startswith("ecoffload: not publishing img: ")
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_worker_hooks_before_any_metadata_do_nothing(arena_dir, model_config):
+    """vLLM may call the worker hooks with no metadata bound (dummy and profiling runs)."""
+    from vllm_harness import encoder_output
+
+    sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
+    try:
+        cache = {"img": encoder_output(4, 1)}
+        worker.start_load_caches(cache)
+        worker.save_caches(encoder_cache=cache, mm_hash="img")
+        got = worker.build_connector_worker_meta()
+        assert got.not_saved == {"img": cache["img"].nbytes}  # size learned, nothing written
+        assert not got.saved and not got.steps and list(cache) == ["img"]
     finally:
         worker.shutdown()
         sched.shutdown()
