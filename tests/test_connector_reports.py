@@ -66,6 +66,21 @@ def test_a_dropped_step_releases_its_loads_and_aborts_its_saves_echoed_ones_stan
     catalog.check()
 
 
+def test_undoing_a_dropped_save_leaves_a_newer_reservation_of_the_key_alone(sched):
+    """Between the dropped step and its undoing, the reservation went (aborted) and
+    another instance reserved the key again: that one is not ours to abort."""
+    dropped = step(sched, ("img", 4))
+    catalog = sched.side.catalog
+    ours = dropped.saves["img"][2]
+    catalog.abort("img", generation=ours)
+    theirs = catalog.reserve("img", 512).generation
+    later = step(sched)
+    report(sched, steps={later.step})  # settles the dropped step: no error
+    assert catalog.state("img") is ItemState.WRITING
+    assert catalog.entry("img").generation == theirs != ours
+    catalog.check()
+
+
 def test_a_dropped_step_is_logged_by_number(sched, caplog):
     dropped = step(sched, ("new", 4))
     later = step(sched)
@@ -161,12 +176,13 @@ PRODUCE_ELSEWHERE = """
 import sys
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.shared_catalog import SharedCatalog
-directory, name, layout, key = sys.argv[1:]
+directory, name, layout, *keys = sys.argv[1:]
 arena = Arena.open_shared(name, block_bytes=4096, directory=directory, layout_key=layout,
                           register_cuda="never")
 with arena, SharedCatalog.for_arena(arena) as catalog:
-    catalog.reserve(key, 512)
-    catalog.commit(key)
+    for key in keys:
+        catalog.reserve(key, 512)
+        catalog.commit(key)
 """
 
 
@@ -182,11 +198,11 @@ def test_hits_on_items_another_process_saved_are_counted_as_such(sched):
     ready(sched, "also-mine")
     subprocess.run([sys.executable, "-c", PRODUCE_ELSEWHERE, os.path.dirname(arena.path),
                     os.path.basename(arena.path),
-                    layout_key_text(layout_key(sched.side._vllm_config)), "theirs"],
+                    layout_key_text(layout_key(sched.side._vllm_config)), "theirs", "also-theirs"],
                    check=True, timeout=120)  # fmt: skip
-    assert all(sched.has_cache_item(k) for k in ("mine", "also-mine", "theirs"))
+    assert all(sched.has_cache_item(k) for k in ("mine", "theirs", "also-mine", "also-theirs"))
     stats = sched.offload_stats()
-    assert (stats["hits"], stats["hits_from_other_instances"]) == (3, 1)
+    assert (stats["hits"], stats["hits_from_other_instances"]) == (4, 2)
 
 
 def test_each_save_without_room_is_counted(sched):
