@@ -13,7 +13,8 @@ Worker -> scheduler (:class:`ECOffloadWorkerMetadata`, merged across ranks):
 
     steps      metadata steps processed (a shipped step never echoed was
                dropped by vLLM: its reservations are aborted, its pins released)
-    saved      {key: (dtype, shape)}  copy complete; the worker committed it
+    saved      {key}                  copy complete; the worker committed it (with
+                                      its dtype and shape, in the shared catalog)
     not_saved  {key: nbytes}          never written (aborted if it was reserved);
                                       nbytes: the real size it saw, or -1
     loaded     {key: ranks}           unpack complete on that many ranks
@@ -42,7 +43,7 @@ class ECOffloadMetadata(ECConnectorMetadata):
 @dataclass
 class ECOffloadWorkerMetadata(ECConnectorWorkerMetadata):
     steps: set[int] = field(default_factory=set)
-    saved: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    saved: set[str] = field(default_factory=set)
     not_saved: dict[str, int] = field(default_factory=dict)
     loaded: Counter = field(default_factory=Counter)
 
@@ -50,7 +51,7 @@ class ECOffloadWorkerMetadata(ECConnectorWorkerMetadata):
         """Merge another rank's report: union of steps and saves, sum of load counts."""
         return ECOffloadWorkerMetadata(
             steps=self.steps | other.steps,
-            saved={**self.saved, **other.saved},
+            saved=self.saved | other.saved,
             not_saved={**self.not_saved, **other.not_saved},
             loaded=Counter(self.loaded) + Counter(other.loaded),
         )

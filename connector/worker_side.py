@@ -195,7 +195,7 @@ class WorkerSide:
                 log.warning("ecoffload: not publishing %s: %s", key, exc)
                 report.not_saved[key] = -1  # in this report, beside the saves it holds
                 continue
-            report.saved[key] = (item.dtype, item.shape)
+            report.saved.add(key)
 
     def _abort(self, key: str, generation: int) -> None:
         """Give back reservation ``generation`` of ``key``: it will never be filled."""

@@ -73,6 +73,9 @@ class DuplicateItemError(CatalogError, KeyError):
 class UnknownItemError(CatalogError, KeyError):
     """An operation named a key that the catalog does not hold."""
 
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
 
 class ItemStateError(CatalogError):
     """An operation is not allowed in the item's current state or pin count."""

