@@ -132,9 +132,10 @@ def plan_copy(
         )
     args = (item_offsets, item_nbytes, tables, block_bytes, arena_bytes // block_bytes,
             items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
-    segments = None
-    if sum(len(table) for table in tables) >= VECTORISE_FROM:
+    if sum(map(len, tables)) >= VECTORISE_FROM:
         segments = _segments_vectorised(*args)
+    else:
+        segments = _segments_small(*args)
     flat, first_tiles, num_tiles, vec, total = segments or _segments_loop(*args)
     dma: list[tuple[int, int, int]] = []
     if dma_min_bytes is not None:
@@ -142,7 +143,11 @@ def plan_copy(
             flat, vec, tile_bytes, dma_min_bytes
         )
     programs = min(num_programs, num_tiles)
-    flat.extend(_split_tiles(first_tiles, num_tiles, programs))
+    program_rows = _split_tiles(first_tiles, num_tiles, programs)
+    if isinstance(flat, array):
+        flat.extend(program_rows)
+    else:  # the small pass's list: one conversion
+        flat = array("q", flat + program_rows)
     table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
     return CopyPlan(
         table, len(first_tiles), programs, vec, tile_bytes, num_tiles, total, tuple(dma)
@@ -228,6 +233,63 @@ def _segments_loop(
     return array("q", rows), first_tiles, tile, vec, total
 
 
+def _segments_small(
+    item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
+    items_base, arena_base,
+) -> tuple[list[int], list[int], int, int, int] | None:  # fmt: skip
+    """What :func:`_segments_loop` returns, with the least work per extent (steps of a
+    few extents); None if anything is wrong (the loop then names the fault).
+
+    One test per extent stands for three of the loop's: ``take`` is positive and
+    less than a block short of ``span`` exactly when the count is positive, the
+    item still has bytes left and the extent does not run a whole block past
+    them. The arena bounds are checked once, on the extents sorted by start.
+    """
+    rows: list[int] = []  # item_offset, arena_offset, nbytes, first_tile per segment
+    extents: list[tuple[int, int]] = []
+    align_bits = MAX_VEC_BYTES
+    tile = 0
+    try:
+        for offset, nbytes, table in zip(item_offsets, item_nbytes, tables, strict=True):
+            pos, end = offset, offset + nbytes
+            if offset < 0 or end > items_bytes:
+                return None
+            for start, count in table:
+                span = count * block_bytes
+                take = end - pos
+                if take > span:
+                    take = span
+                if take <= 0 or span - take >= block_bytes:
+                    return None
+                dst = start * block_bytes
+                rows += (pos, dst, take, tile)
+                extents.append((start, count))
+                tail = take % MAX_VEC_BYTES  # tiles at full width; recounted below if narrower
+                tile += (take - tail + tile_bytes - 1) // tile_bytes + (tail != 0)
+                align_bits |= (items_base + pos) | (arena_base + dst)
+                pos += take
+            if pos != end:  # fewer bytes than the item's, or a negative size
+                return None
+        extents.sort()
+    except (TypeError, ValueError):
+        return None  # not (start, count) pairs of ints: the loop says where
+    at = 0
+    for start, count in extents:  # each extent starts where the one before it ended, or later
+        if start < at:
+            return None
+        at = start + count
+    if extents and (extents[0][0] < 0 or at > num_blocks):
+        return None
+    vec = align_bits & -align_bits
+    if vec < MAX_VEC_BYTES:
+        tile = 0
+        for i in range(2, len(rows), 4):
+            take = rows[i]
+            rows[i + 1] = tile
+            tail = take % vec
+            tile += (take - tail + tile_bytes - 1) // tile_bytes + (tail != 0)
+    return rows, rows[3::4], tile, vec, sum(item_nbytes)
+
 
 def _segments_vectorised(
     item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
@@ -275,13 +337,15 @@ def _segments_vectorised(
             int(tiles.sum()), vec, int(nbytes.sum()))  # fmt: skip
 
 
-def _split_tiles(first_tiles: Sequence[int], num_tiles: int, programs: int) -> array:
+def _split_tiles(first_tiles: Sequence[int], num_tiles: int, programs: int) -> list[int]:
     """Program rows: ``num_tiles`` tiles in ``programs`` contiguous ranges of equal length
     (+-1), each with the segment its first tile falls in (every segment has a tile)."""
-    rows = array("q")
-    for p in range(programs):
-        begin, end = num_tiles * p // programs, num_tiles * (p + 1) // programs
-        rows.extend((bisect_right(first_tiles, begin) - 1, begin, end))
+    rows: list[int] = []
+    begin = 0
+    for p in range(1, programs + 1):
+        end = num_tiles * p // programs
+        rows += (bisect_right(first_tiles, begin) - 1, begin, end)
+        begin = end
     return rows
 
 
