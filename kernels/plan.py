@@ -44,11 +44,13 @@ with blocks.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import add
 
 import numpy as np
 import torch
@@ -296,45 +298,58 @@ def _segments_vectorised(
     items_base, arena_base,
 ) -> tuple[array, array, int, int, int] | None:  # fmt: skip
     """What :func:`_segments_loop` returns, in whole-array passes; None if anything
-    is wrong (the loop then names the fault)."""
-    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    is wrong (the loop then names the fault).
+
+    An item is covered exactly when its extents' blocks hold its bytes with less
+    than a block to spare (``0 <= over < block_bytes``): then only each item's
+    last extent is clipped, by ``over``. Extents are disjoint and inside the
+    arena when, sorted separately, the k-th smallest end is at most the
+    (k+1)-th smallest start, the smallest start is at least 0 and the largest
+    end at most ``num_blocks``. Starts and counts are bounded by the arena
+    before any product or sum, so int64 never wraps in a step that passes.
+    """
+    if min(item_offsets) < 0 or min(item_nbytes) < 0:
+        return None
+    if max(map(add, item_offsets, item_nbytes)) > items_bytes:
+        return None
+    lens = np.array([len(table) for table in tables], np.int64)
+    n = int(lens.sum())
     flat = chain.from_iterable(chain.from_iterable(tables))  # no tuple list in between
     try:
-        extents = np.fromiter(flat, np.int64, 2 * int(lens.sum())).reshape(-1, 2)
-    except (ValueError, TypeError, OverflowError):
-        return None  # not (start, count) pairs of ints
-
-    starts, counts = extents[:, 0], extents[:, 1]
-    offsets = np.asarray(item_offsets, np.int64)
-    nbytes = np.asarray(item_nbytes, np.int64)
-    if (nbytes < 0).any() or (offsets < 0).any() or (offsets + nbytes > items_bytes).any():
+        extents = np.frombuffer(struct.pack(f"{2 * n}q", *flat), np.int64).reshape(n, 2)
+    except (struct.error, TypeError):
+        return None  # not (start, count) pairs of int64
+    starts, counts = extents.T
+    first_starts = np.sort(starts)
+    if first_starts[0] < 0 or first_starts[-1] >= num_blocks:
         return None
-    if (counts <= 0).any() or (starts < 0).any() or (starts + counts > num_blocks).any():
-        return None
-    item = np.repeat(np.arange(len(lens)), lens)  # the item of each extent
-    span = counts * block_bytes
-    stream_pos = np.cumsum(span) - span  # where each extent starts in the step's byte stream
-    item_pos = np.zeros(len(lens), np.int64)  # ...and where each item starts in it
-    item_pos[lens > 0] = stream_pos[(np.cumsum(lens) - lens)[lens > 0]]
-    pos = stream_pos - item_pos[item]  # where each extent starts inside its item
-    take = np.minimum(span, nbytes[item] - pos)
-    if (take <= 0).any() or (span - take >= block_bytes).any():
-        return None  # a block past the item's end, or a whole extent unwritten
-    if (np.bincount(item, weights=take, minlength=len(lens)) != nbytes).any():
+    if counts.min() <= 0 or counts.max() > num_blocks:
+        return None  # (bounded first: no int64 product or sum below can wrap)
+    rows = np.empty((n, 4), np.int64)  # item_offset, arena_offset, nbytes, first_tile
+    src, dst, take, first = rows.T
+    np.multiply(counts, block_bytes, out=take)  # whole extents, clipped below
+    stream = np.zeros(n + 1, np.int64)  # where each extent starts in the step's byte stream
+    np.cumsum(take, out=stream[1:])
+    ends = np.cumsum(lens)  # one past each item's last extent
+    item_start = stream[ends - lens]
+    over = stream[ends] - item_start - np.asarray(item_nbytes, np.int64)
+    if (over < 0).any() or (over >= block_bytes).any():
         return None  # an item not covered exactly
-    order = np.argsort(starts, kind="stable")
-    if (starts[order][1:] < (starts + counts)[order][:-1]).any():
-        return None  # blocks given twice
-    src = offsets[item] + pos
-    dst = starts * block_bytes
-    bits = np.bitwise_or.reduce(items_base + src) | np.bitwise_or.reduce(arena_base + dst)
+    has = lens > 0
+    take[ends[has] - 1] -= over[has]
+    np.add(stream[:-1], np.repeat(np.asarray(item_offsets, np.int64) - item_start, lens), out=src)
+    np.multiply(starts, block_bytes, out=dst)
+    last_ends = np.sort(starts + counts)
+    if last_ends[-1] > num_blocks or (first_starts[1:] < last_ends[:-1]).any():
+        return None  # past the arena's end, or blocks given twice
+    bits = np.bitwise_or.reduce(src + items_base) | np.bitwise_or.reduce(dst + arena_base)
     vec = int((bits | MAX_VEC_BYTES) & -(bits | MAX_VEC_BYTES))
     tail = take % vec
-    tiles = -(-(take - tail) // tile_bytes) + (tail != 0)
-    first_tiles = np.cumsum(tiles) - tiles
-    rows = np.stack([src, dst, take, first_tiles], axis=1)
-    return (array("q", rows.tobytes()), array("q", first_tiles.tobytes()),
-            int(tiles.sum()), vec, int(nbytes.sum()))  # fmt: skip
+    tiles = (take - tail + (tile_bytes - 1)) // tile_bytes + (tail != 0)
+    np.cumsum(tiles, out=first)
+    num_tiles = int(first[-1])
+    first -= tiles
+    return array("q", rows.tobytes()), array("q", first.tobytes()), num_tiles, vec, sum(item_nbytes)
 
 
 def _split_tiles(first_tiles: Sequence[int], num_tiles: int, programs: int) -> list[int]:

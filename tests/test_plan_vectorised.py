@@ -194,3 +194,43 @@ def test_a_step_of_vectorise_from_extents_is_planned_by_the_vectorised_pass(monk
     monkeypatch.setattr(plan, "_segments_loop", loop)
     got = plan_copy(*step_args, **kw)
     assert torch.equal(got.table, want.table)
+
+
+@pytest.mark.parametrize(
+    "extent",
+    [(2**62, 2**62), (0, 2**62), (2**62, 1), (1, 2**63 - 1), (-(2**63), 1), (2**63, 1)],
+    ids=["both-huge", "huge-count", "huge-start", "count-at-int64-max", "start-at-int64-min",
+         "start-past-int64"],
+)  # fmt: skip
+def test_huge_extents_are_refused_never_wrapped(extent):
+    """An extent whose blocks times block size, or start plus count, passes int64 must
+    be refused, not wrapped into a small or negative number that passes the checks."""
+    offsets, sizes, tables, total = edge_step()
+    tables = [list(t) for t in tables]
+    tables[0].append(extent)
+    args = args_of(offsets, sizes, tables, total)
+    assert plan._segments_vectorised(*args) is None
+    with pytest.raises(PlanError):
+        plan._segments_loop(*args)
+
+
+@pytest.mark.parametrize("entry", [(5, 1, 0), (5,), (5.0, 1), ("5", 1)])
+def test_entries_that_are_not_pairs_of_ints_go_to_the_loop(entry):
+    offsets, sizes, tables, total = edge_step()
+    tables = [list(t) for t in tables]
+    tables[3] = [entry]
+    assert plan._segments_vectorised(*args_of(offsets, sizes, tables, total)) is None
+
+
+def test_a_count_whose_end_and_bytes_wrap_int64_is_refused():
+    """(1990, 2**63 - 1): start + count wraps to a negative end (sorted first, so the
+    disjointness test passes) and count * 4096 wraps to -4096 bytes, which an extra
+    whole block in the same item makes up for: every check on wrapped values passes,
+    and a segment of -4096 bytes would reach the kernel. Counts are bounded first."""
+    n = plan.VECTORISE_FROM + 6
+    tables = [[(i, 1)] for i in range(n)]
+    tables[0] = [(0, 1), (100, 1), (1990, 2**63 - 1)]
+    args = ([i * B for i in range(n)], [B] * n, tables, B, 2000, n * B, 2048, 0, 0)
+    assert plan._segments_vectorised(*args) is None
+    with pytest.raises(PlanError, match="lists more blocks"):
+        plan._segments_loop(*args)
