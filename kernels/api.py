@@ -20,6 +20,7 @@ import time
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import add
 from typing import Literal
 
 import torch
@@ -311,21 +312,29 @@ def _item_layout(
     """(base, offsets, sizes, span): the lowest-addressed non-empty item as a flat
     uint8 tensor, each item's byte offset from it and byte size, and the bytes
     from base to the end of the highest item."""
-    ptrs, sizes = [], []
-    for i, t in enumerate(tensors):
-        if not t.is_contiguous():
-            raise PlanError(
-                f"tensor {i} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
-                "call .contiguous() first"
-            )
-        ptrs.append(t.data_ptr())
-        sizes.append(t.nbytes)
-    nonempty = [i for i, n in enumerate(sizes) if n]
-    if not nonempty:
-        return None, [0] * len(tensors), sizes, 0
-    lowest = min(nonempty, key=ptrs.__getitem__)
-    start = ptrs[lowest]
-    offsets = [p - start if n else 0 for p, n in zip(ptrs, sizes, strict=True)]
-    span = max(o + n for o, n in zip(offsets, sizes, strict=True))
-    return byte_view(tensors[lowest]), offsets, sizes, span
+    if not all(map(_is_contiguous, tensors)):
+        i, t = next((i, t) for i, t in enumerate(tensors) if not t.is_contiguous())
+        raise PlanError(
+            f"tensor {i} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
+            "call .contiguous() first"
+        )
+    ptrs = list(map(_data_ptr, tensors))  # map: no bytecode per tensor
+    sizes = list(map(_nbytes, tensors))
+    if 0 in sizes or not sizes:  # an empty tensor's address means nothing: never the base
+        nonempty = [i for i, n in enumerate(sizes) if n]
+        if not nonempty:
+            return None, [0] * len(tensors), sizes, 0
+        lowest = min(nonempty, key=ptrs.__getitem__)
+        start = ptrs[lowest]
+        offsets = [p - start if n else 0 for p, n in zip(ptrs, sizes, strict=True)]
+    else:
+        start = min(ptrs)
+        lowest = ptrs.index(start)
+        offsets = [p - start for p in ptrs]
+    span = max(map(add, offsets, sizes))
+    return tensors[lowest].flatten().view(torch.uint8), offsets, sizes, span
 
+
+_is_contiguous = torch.Tensor.is_contiguous
+_data_ptr = torch.Tensor.data_ptr
+_nbytes = torch.Tensor.nbytes.__get__
