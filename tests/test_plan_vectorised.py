@@ -35,25 +35,27 @@ def step(seed, items=20, max_extents=12, zero_items=True):
     return offsets, sizes, tables, off
 
 
-def both(offsets, sizes, tables, items_bytes, **kw):
+def loop_only(monkeypatch):
+    """Plan every step with the loop: no vectorised pass, no small-step pass."""
+    monkeypatch.setattr(plan, "VECTORISE_FROM", 10**9)
+    monkeypatch.setattr(plan, "_segments_small", lambda *args: None)
+
+
+def both(offsets, sizes, tables, items_bytes, monkeypatch):
     kw = dict(block_bytes=B, arena_bytes=2000 * B, items_bytes=items_bytes, tile_bytes=2048,
-              num_programs=8, items_base=0x7F0000001000, arena_base=0x7E0000000000,
-              **kw)  # fmt: skip
+              num_programs=8, items_base=0x7F0000001000, arena_base=0x7E0000000000)  # fmt: skip
     fast = plan_copy(offsets, sizes, tables, **kw)
-    old = plan.VECTORISE_FROM
-    plan.VECTORISE_FROM = 10**9
-    try:
+    with monkeypatch.context() as m:
+        loop_only(m)
         slow = plan_copy(offsets, sizes, tables, **kw)
-    finally:
-        plan.VECTORISE_FROM = old
     return fast, slow
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_vectorised_plan_equals_the_loop_plan(seed):
+def test_vectorised_plan_equals_the_loop_plan(seed, monkeypatch):
     offsets, sizes, tables, total = step(seed)
     assert sum(map(len, tables)) >= plan.VECTORISE_FROM
-    fast, slow = both(offsets, sizes, tables, total)
+    fast, slow = both(offsets, sizes, tables, total, monkeypatch)
     assert torch.equal(fast.table, slow.table)
     assert (fast.vec_bytes, fast.num_tiles, fast.nbytes, fast.num_segments) == (
         slow.vec_bytes, slow.num_tiles, slow.nbytes, slow.num_segments)  # fmt: skip
@@ -77,20 +79,20 @@ def corrupt(tables, sizes, kind, rng):
 
 @pytest.mark.parametrize("kind", ["overlap", "too-long", "too-short", "outside"])
 @pytest.mark.parametrize("seed", range(3))
-def test_faulty_steps_get_the_loop_planner_s_error(kind, seed):
+def test_faulty_steps_get_the_loop_planner_s_error(kind, seed, monkeypatch):
     offsets, sizes, tables, total = step(seed, zero_items=False)
     bad = corrupt(tables, sizes, kind, random.Random(seed))
     errors = []
-    for threshold in (0, 10**9):  # vectorised first, then the loop alone
-        old = plan.VECTORISE_FROM
-        plan.VECTORISE_FROM = threshold
-        try:
+    for only_the_loop in (False, True):  # vectorised first, then the loop alone
+        with monkeypatch.context() as m:
+            if only_the_loop:
+                loop_only(m)
+            else:
+                m.setattr(plan, "VECTORISE_FROM", 0)
             with pytest.raises(PlanError) as caught:
                 plan_copy(offsets, sizes, bad, block_bytes=B, arena_bytes=2000 * B,
                           items_bytes=total)  # fmt: skip
             errors.append(str(caught.value))
-        finally:
-            plan.VECTORISE_FROM = old
     assert errors[0] == errors[1]
 
 
@@ -184,14 +186,15 @@ def test_a_step_of_vectorise_from_extents_is_planned_by_the_vectorised_pass(monk
     n = plan.VECTORISE_FROM
     step_args = ([i * B for i in range(n)], [B] * n, [[(n - 1 - i, 1)] for i in range(n)])
     kw = dict(block_bytes=B, arena_bytes=n * B, items_bytes=n * B, tile_bytes=2048)
-    monkeypatch.setattr(plan, "VECTORISE_FROM", 10**9)
-    want = plan_copy(*step_args, **kw)  # the loop's plan
-    monkeypatch.setattr(plan, "VECTORISE_FROM", n)
+    with monkeypatch.context() as m:
+        loop_only(m)
+        want = plan_copy(*step_args, **kw)  # the loop's plan
 
     def loop(*args):
         raise AssertionError("a fragmented step was planned one extent at a time")
 
     monkeypatch.setattr(plan, "_segments_loop", loop)
+    monkeypatch.setattr(plan, "_segments_small", loop)
     got = plan_copy(*step_args, **kw)
     assert torch.equal(got.table, want.table)
 
