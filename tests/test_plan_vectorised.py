@@ -12,7 +12,7 @@ from ecoffload.kernels.plan import plan_copy
 B = 4096
 
 
-def step(seed, items=20, max_extents=12, zero_items=True):
+def step(seed, items=40, max_extents=12, zero_items=True):
     rng = random.Random(seed)
     blocks = list(range(2000))
     rng.shuffle(blocks)
