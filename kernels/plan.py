@@ -247,7 +247,7 @@ def _segments_small(
     One test per extent stands for three of the loop's: ``take`` is positive and
     less than a block short of ``span`` exactly when the count is positive, the
     item still has bytes left and the extent does not run a whole block past
-    them. The arena bounds are checked once, on the extents sorted by start.
+    them. Arena bounds and overlaps are checked once, on the extents sorted by start.
     """
     rows: list[int] = []  # item_offset, arena_offset, nbytes, first_tile per segment
     extents: list[tuple[int, int]] = []
@@ -277,12 +277,12 @@ def _segments_small(
         extents.sort()
     except (TypeError, ValueError):
         return None  # not (start, count) pairs of ints: the loop says where
-    at = 0
-    for start, count in extents:  # each extent starts where the one before it ended, or later
+    at = 0  # sorted by start: the first starts at block 0 or later, each next where the last ended
+    for start, count in extents:
         if start < at:
             return None
         at = start + count
-    if extents and (extents[0][0] < 0 or at > num_blocks):
+    if at > num_blocks:
         return None
     vec = align_bits & -align_bits
     if vec < MAX_VEC_BYTES:

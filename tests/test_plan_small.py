@@ -42,8 +42,9 @@ def step(seed, items=6, max_blocks=5):
     return offsets, sizes, tables, off
 
 
-def args_of(offsets, sizes, tables, items_bytes, items_base=ITEMS_BASE, arena_base=ARENA_BASE):
-    return (offsets, sizes, tables, B, BLOCKS, items_bytes, 1024, items_base, arena_base)
+def args_of(offsets, sizes, tables, items_bytes, items_base=ITEMS_BASE, arena_base=ARENA_BASE,
+            tile_bytes=1024):  # fmt: skip
+    return (offsets, sizes, tables, B, BLOCKS, items_bytes, tile_bytes, items_base, arena_base)
 
 
 def agree(args):
@@ -55,11 +56,14 @@ def agree(args):
     return vec
 
 
+@pytest.mark.parametrize("tile_bytes", [1024, B - 1], ids=["tile-1024", "tile-4095"])
 @pytest.mark.parametrize("seed", range(40))
-def test_the_small_pass_agrees_with_the_loop_on_valid_steps(seed):
+def test_the_small_pass_agrees_with_the_loop_on_valid_steps(seed, tile_bytes):
+    """A tile one byte short of a block too: a whole block is two tiles, one byte in the
+    second (the pass's ceiling division must be the loop's for any tile size)."""
     offsets, sizes, tables, total = step(seed)
     assert sum(map(len, tables)) < plan.VECTORISE_FROM
-    agree(args_of(offsets, sizes, tables, total))
+    agree(args_of(offsets, sizes, tables, total, tile_bytes=tile_bytes))
 
 
 @pytest.mark.parametrize(

@@ -169,12 +169,18 @@ def one_fault(kind):
         tables[0][0] = (2000, 1)
     elif kind == "one-whole-block-too-many":  # 2 blocks of bytes, 3 blocks given
         tables[1] = [(1000, 3)]
+    elif kind == "runs-past-the-arena":  # starts inside, its second block is block 2000
+        tables[0][0] = (1000, 1)
+        tables[1] = [(1999, 2)]
+    elif kind == "zero-count":  # an empty extent after the item's last one
+        tables[5].append((1500, 0))
     return args_of(offsets, sizes, tables, total)
 
 
 @pytest.mark.parametrize(
-    "kind", ["negative-offset", "negative-start", "past-the-end", "one-whole-block-too-many"]
-)
+    "kind", ["negative-offset", "negative-start", "past-the-end", "one-whole-block-too-many",
+             "runs-past-the-arena", "zero-count"],
+)  # fmt: skip
 def test_the_vectorised_pass_hands_a_step_with_one_fault_alone_to_the_loop(kind):
     args = one_fault(kind)
     with pytest.raises(PlanError):
@@ -237,3 +243,24 @@ def test_a_count_whose_end_and_bytes_wrap_int64_is_refused():
     assert plan._segments_vectorised(*args) is None
     with pytest.raises(PlanError, match="lists more blocks"):
         plan._segments_loop(*args)
+
+
+def test_a_start_whose_end_wraps_int64_is_refused():
+    """(2**63 - 1, 1) as the highest start: its end wraps to the lowest (so the sorted
+    ends still pass) and its arena offset to -4096; starts are bounded first."""
+    n = plan.VECTORISE_FROM + 6
+    tables = [[(i, 1)] for i in range(n)]
+    tables[-1] = [(2**63 - 1, 1)]
+    args = ([i * B for i in range(n)], [B] * n, tables, B, 2000, n * B, 2048, 0, 0)
+    assert plan._segments_vectorised(*args) is None
+    with pytest.raises(PlanError, match="is not inside the arena's blocks"):
+        plan._segments_loop(*args)
+
+
+def test_one_extent_of_the_whole_arena_is_planned_by_the_pass():
+    args = ([0], [2000 * B - 1], [[(0, 2000)]], B, 2000, 2000 * B, 2048, 0, 0)
+    fast = plan._segments_vectorised(*args)
+    assert fast is not None, "a valid step was handed to the loop"
+    rows, first_tiles, tiles, vec, total = plan._segments_loop(*args)
+    assert fast[0] == rows and list(fast[1]) == list(first_tiles)
+    assert fast[2:] == (tiles, vec, total)
