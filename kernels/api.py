@@ -293,7 +293,7 @@ def _run(
             "TRITON_INTERPRET=1 set before importing ecoffload for CPU tensors); "
             "use backend='reference'"
         )
-    for i, t in enumerate(tensors):
+    for i, t in enumerate(tensors[:1] if isinstance(tensors, ItemViews) else tensors):
         if t.device != arena.device:
             raise PlanError(
                 f"tensor {i} is on {t.device}, expected the arena's device {arena.device}"

@@ -4,7 +4,7 @@ unpack uses without asking each tensor for its address."""
 import pytest
 import torch
 
-from ecoffload.kernels import ItemViews, empty_items, pack, unpack
+from ecoffload.kernels import ItemViews, PlanError, empty_items, pack, unpack
 from ecoffload.kernels import api as kernels_api
 
 B = 4096
@@ -90,3 +90,12 @@ def test_shapes_given_as_lists_are_laid_out_like_tuples():
     views, want = empty_items(as_lists, "cpu"), empty_items(ROWS_GAPS, "cpu")
     assert views.offsets == want.offsets and views.nbytes == want.nbytes
     assert [v.shape for v in views] == [w.shape for w in want]
+
+
+def test_item_views_on_another_device_are_refused_by_their_buffer():
+    """One buffer, one device: its first view stands for all of them."""
+    outputs = empty_items(ROWS, "meta")
+    arena = torch.zeros(16 * B, dtype=torch.uint8)
+    with pytest.raises(PlanError, match="tensor 0 is on meta, expected the arena's device cpu"):
+        unpack(arena, [[(0, 1)], [], [(1, 1)]], B, outputs, backend="triton")
+    assert not arena.any()
