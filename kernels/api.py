@@ -20,7 +20,9 @@ import time
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from functools import lru_cache
+from operator import add
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -152,10 +154,25 @@ class ItemViews(list):
     :func:`unpack` into it plans without asking each tensor for its address.
     """
 
-    def __init__(self, views: list[torch.Tensor], buffer: torch.Tensor,
-                 offsets: list[int], nbytes: list[int]) -> None:  # fmt: skip
+    def __init__(self, views: Sequence[torch.Tensor], buffer: torch.Tensor,
+                 offsets: Sequence[int], nbytes: Sequence[int]) -> None:  # fmt: skip
         super().__init__(views)
         self.buffer, self.offsets, self.nbytes = buffer, offsets, nbytes
+
+
+class _Layout(NamedTuple):
+    """Where :func:`empty_items` puts each item of one list of specs, and how it makes
+    the views; depends on the specs only (cached)."""
+
+    offsets: tuple[int, ...]  # each item's byte offset in the buffer, a multiple of 256
+    nbytes: tuple[int, ...]
+    numel: int  # buffer elements of ``dtype`` (bytes when the dtypes are mixed)
+    dtype: torch.dtype | None  # the items' one dtype; None when they differ
+    rows: tuple[int, ...] | None  # the buffer's shape to split: (-1, *trailing dims); None: 1-D
+    split: tuple[int, ...] | None  # pieces along dim 0, in rows: items and the gaps between
+    picks: tuple[int, ...] | None  # each item's piece; None when there are no gaps
+    strided: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # no split, one dtype:
+    # as_strided's (shape, strides, element offset) per item
 
 
 def empty_items(
@@ -164,30 +181,73 @@ def empty_items(
     """Uninitialised tensors of the given (dtype, shape), as views of one buffer.
 
     Each item starts at a multiple of 256 bytes, so :func:`unpack` writes all
-    of them in place with full-width accesses. One allocation; when every item
-    has the same dtype (the usual case) the views are made without going
+    of them in place with full-width accesses. One allocation. When every item
+    has the same dtype and the same trailing dimensions (encoder outputs:
+    ``(tokens, hidden)``) all views come from one ``split_with_sizes`` call;
+    other single-dtype lists get one ``as_strided`` per item; mixed dtypes go
     through bytes.
     """
-    nbytes = [math.prod(shape) * dt.itemsize for dt, shape in specs]
-    offsets, total = [], 0
-    for n in nbytes:
-        offsets.append(total)
-        total += -(-n // ITEM_ALIGN) * ITEM_ALIGN
-    dtypes = {dt for dt, _ in specs}
-    if len(dtypes) == 1:
-        (dtype,) = dtypes
-        typed = torch.empty(total // dtype.itemsize, dtype=dtype, device=device)
+    specs = tuple(specs)
+    try:
+        layout = _cached_layout(specs)
+    except TypeError:  # a shape given as a list: not hashable
+        layout = _layout(specs)
+    if layout.dtype is None:
+        buffer = torch.empty(layout.numel, dtype=torch.uint8, device=device)
         views = [
-            torch.as_strided(typed, shape, _contiguous_strides(shape), offset // dtype.itemsize)
-            for offset, (_, shape) in zip(offsets, specs, strict=True)
+            buffer[o : o + n].view(dt).view(tuple(shape))
+            for o, n, (dt, shape) in zip(layout.offsets, layout.nbytes, specs, strict=True)
         ]
-        return ItemViews(views, typed.view(torch.uint8), offsets, nbytes)
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    views = [
-        buffer[o : o + n].view(dt).view(tuple(shape))
-        for o, n, (dt, shape) in zip(offsets, nbytes, specs, strict=True)
-    ]
-    return ItemViews(views, buffer, offsets, nbytes)
+        return ItemViews(views, buffer, layout.offsets, layout.nbytes)
+    typed = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+    if layout.split is not None:
+        rows = typed if layout.rows is None else typed.view(layout.rows)
+        pieces = rows.split_with_sizes(layout.split)
+        views = pieces if layout.picks is None else [pieces[i] for i in layout.picks]
+    else:
+        as_strided = typed.as_strided
+        views = [as_strided(*args) for args in layout.strided]
+    return ItemViews(views, typed.view(torch.uint8), layout.offsets, layout.nbytes)
+
+
+def _layout(specs: tuple[tuple[torch.dtype, Sequence[int]], ...]) -> _Layout:
+    nbytes = tuple(math.prod(shape) * dt.itemsize for dt, shape in specs)
+    offsets, end = [], 0
+    for n in nbytes:
+        start = -(-end // ITEM_ALIGN) * ITEM_ALIGN
+        offsets.append(start)
+        end = start + n
+    offsets = tuple(offsets)
+    dtypes = {dt for dt, _ in specs}
+    if len(dtypes) != 1:
+        return _Layout(offsets, nbytes, end, None, None, None, None, ())
+    (dtype,) = dtypes
+    size = dtype.itemsize
+    trailing = {tuple(shape[1:]) for _, shape in specs if len(shape)}
+    if len(trailing) == 1 and all(len(shape) for _, shape in specs):
+        (dims,) = trailing
+        row = math.prod(dims) * size
+        split, picks, at = [], [], 0
+        for o, n in zip(offsets, nbytes, strict=True):
+            if row == 0 or (o - at) % row:
+                break  # a gap of part of a row: no split
+            if o > at:
+                split.append((o - at) // row)  # the gap before this item, in rows
+            picks.append(len(split))
+            split.append(n // row)
+            at = o + n
+        else:
+            return _Layout(offsets, nbytes, end // size, dtype, (-1, *dims) if dims else None,
+                           tuple(split), None if len(split) == len(specs) else tuple(picks),
+                           ())  # fmt: skip
+    strided = tuple(
+        (tuple(shape), _contiguous_strides(shape), o // size)
+        for o, (_, shape) in zip(offsets, specs, strict=True)
+    )
+    return _Layout(offsets, nbytes, end // size, dtype, None, None, None, strided)
+
+
+_cached_layout = lru_cache(maxsize=256)(_layout)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -233,7 +293,7 @@ def _run(
             "TRITON_INTERPRET=1 set before importing ecoffload for CPU tensors); "
             "use backend='reference'"
         )
-    for i, t in enumerate(tensors):
+    for i, t in enumerate(tensors[:1] if isinstance(tensors, ItemViews) else tensors):
         if t.device != arena.device:
             raise PlanError(
                 f"tensor {i} is on {t.device}, expected the arena's device {arena.device}"
@@ -311,21 +371,29 @@ def _item_layout(
     """(base, offsets, sizes, span): the lowest-addressed non-empty item as a flat
     uint8 tensor, each item's byte offset from it and byte size, and the bytes
     from base to the end of the highest item."""
-    ptrs, sizes = [], []
-    for i, t in enumerate(tensors):
-        if not t.is_contiguous():
-            raise PlanError(
-                f"tensor {i} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
-                "call .contiguous() first"
-            )
-        ptrs.append(t.data_ptr())
-        sizes.append(t.nbytes)
-    nonempty = [i for i, n in enumerate(sizes) if n]
-    if not nonempty:
-        return None, [0] * len(tensors), sizes, 0
-    lowest = min(nonempty, key=ptrs.__getitem__)
-    start = ptrs[lowest]
-    offsets = [p - start if n else 0 for p, n in zip(ptrs, sizes, strict=True)]
-    span = max(o + n for o, n in zip(offsets, sizes, strict=True))
-    return byte_view(tensors[lowest]), offsets, sizes, span
+    if not all(map(_is_contiguous, tensors)):
+        i, t = next((i, t) for i, t in enumerate(tensors) if not t.is_contiguous())
+        raise PlanError(
+            f"tensor {i} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
+            "call .contiguous() first"
+        )
+    ptrs = list(map(_data_ptr, tensors))  # map: no bytecode per tensor
+    sizes = list(map(_nbytes, tensors))
+    if 0 in sizes or not sizes:  # an empty tensor's address means nothing: never the base
+        nonempty = [i for i, n in enumerate(sizes) if n]
+        if not nonempty:
+            return None, [0] * len(tensors), sizes, 0
+        lowest = min(nonempty, key=ptrs.__getitem__)
+        start = ptrs[lowest]
+        offsets = [p - start if n else 0 for p, n in zip(ptrs, sizes, strict=True)]
+    else:
+        start = min(ptrs)
+        lowest = ptrs.index(start)
+        offsets = [p - start for p in ptrs]
+    span = max(map(add, offsets, sizes))
+    return tensors[lowest].flatten().view(torch.uint8), offsets, sizes, span
 
+
+_is_contiguous = torch.Tensor.is_contiguous
+_data_ptr = torch.Tensor.data_ptr
+_nbytes = torch.Tensor.nbytes.__get__

@@ -33,22 +33,24 @@ place, from the absolute address of every segment's source and destination
 access is a sticky "misaligned address" error on a GPU; the Triton
 interpreter never faults, so this is checked on addresses by the tests.
 
-Two implementations of one contract, chosen by size: a plain Python loop for
-steps of a few extents (numpy's per-call overhead would dominate there), and
-a vectorised numpy pass for fragmented steps (thousands of extents), where
-the loop's ~1 us per extent would cost milliseconds. The loop is the
-reference: when the vectorised pass finds any fault it hands the step to the
-loop, which names the first fault precisely. Cost grows with extents, never
-with blocks.
+Two fast passes of one contract, chosen by size, and a reference: a Python
+pass with one test per extent for steps of a few extents (numpy's per-call
+overhead would dominate there), a vectorised numpy pass for fragmented steps
+(thousands of extents), where ~0.5 us per extent would cost milliseconds,
+and the plain loop, which checks everything in order. When a fast pass finds
+any fault it hands the step to the loop, which names the first fault
+precisely. Cost grows with extents, never with blocks.
 """
 
 from __future__ import annotations
 
+import struct
 from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import chain
+from operator import add
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -56,7 +58,7 @@ import torch
 Extents = Sequence[tuple[int, int]]
 
 MAX_VEC_BYTES = 16
-VECTORISE_FROM = 64  # extents per step from which numpy's whole-array passes pay
+VECTORISE_FROM = 128  # extents per step from which numpy's whole-array passes pay
 VEC_WIDTHS = (1, 2, 4, 8, 16)  # every access width a plan can pick
 
 
@@ -64,8 +66,10 @@ class PlanError(ValueError):
     """A block table or item layout cannot be copied as given."""
 
 
-@dataclass(frozen=True)
-class CopyPlan:
+class CopyPlan(NamedTuple):
+    """One launch's plan (immutable; a named tuple: a third of a frozen dataclass's
+    construction cost, which a step pays on the host path)."""
+
     table: torch.Tensor  # int64 [S * 4 + P * 3]: segment rows, then program rows (CPU)
     num_segments: int
     num_programs: int  # programs the launch runs: min(requested, num_tiles)
@@ -132,9 +136,10 @@ def plan_copy(
         )
     args = (item_offsets, item_nbytes, tables, block_bytes, arena_bytes // block_bytes,
             items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
-    segments = None
-    if sum(len(table) for table in tables) >= VECTORISE_FROM:
+    if sum(map(len, tables)) >= VECTORISE_FROM:
         segments = _segments_vectorised(*args)
+    else:
+        segments = _segments_small(*args)
     flat, first_tiles, num_tiles, vec, total = segments or _segments_loop(*args)
     dma: list[tuple[int, int, int]] = []
     if dma_min_bytes is not None:
@@ -142,7 +147,11 @@ def plan_copy(
             flat, vec, tile_bytes, dma_min_bytes
         )
     programs = min(num_programs, num_tiles)
-    flat.extend(_split_tiles(first_tiles, num_tiles, programs))
+    program_rows = _split_tiles(first_tiles, num_tiles, programs)
+    if isinstance(flat, array):
+        flat.extend(program_rows)
+    else:  # the small pass's list: one conversion
+        flat = array("q", flat + program_rows)
     table = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
     return CopyPlan(
         table, len(first_tiles), programs, vec, tile_bytes, num_tiles, total, tuple(dma)
@@ -228,60 +237,132 @@ def _segments_loop(
     return array("q", rows), first_tiles, tile, vec, total
 
 
+def _segments_small(
+    item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
+    items_base, arena_base,
+) -> tuple[list[int], list[int], int, int, int] | None:  # fmt: skip
+    """What :func:`_segments_loop` returns, with the least work per extent (steps of a
+    few extents); None if anything is wrong (the loop then names the fault).
+
+    One test per extent stands for three of the loop's: ``take`` is positive and
+    less than a block short of ``span`` exactly when the count is positive, the
+    item still has bytes left and the extent does not run a whole block past
+    them. Arena bounds and overlaps are checked once, on the extents sorted by start.
+    """
+    rows: list[int] = []  # item_offset, arena_offset, nbytes, first_tile per segment
+    extents: list[tuple[int, int]] = []
+    align_bits = MAX_VEC_BYTES
+    tile = 0
+    try:
+        for offset, nbytes, table in zip(item_offsets, item_nbytes, tables, strict=True):
+            pos, end = offset, offset + nbytes
+            if offset < 0 or end > items_bytes:
+                return None
+            for start, count in table:
+                span = count * block_bytes
+                take = end - pos
+                if take > span:
+                    take = span
+                if take <= 0 or span - take >= block_bytes:
+                    return None
+                dst = start * block_bytes
+                rows += (pos, dst, take, tile)
+                extents.append((start, count))
+                tail = take % MAX_VEC_BYTES  # tiles at full width; recounted below if narrower
+                tile += (take - tail + tile_bytes - 1) // tile_bytes + (tail != 0)
+                align_bits |= (items_base + pos) | (arena_base + dst)
+                pos += take
+            if pos != end:  # fewer bytes than the item's, or a negative size
+                return None
+        extents.sort()
+    except (TypeError, ValueError):
+        return None  # not (start, count) pairs of ints: the loop says where
+    at = 0  # sorted by start: the first starts at block 0 or later, each next where the last ended
+    for start, count in extents:
+        if start < at:
+            return None
+        at = start + count
+    if at > num_blocks:
+        return None
+    vec = align_bits & -align_bits
+    if vec < MAX_VEC_BYTES:
+        tile = 0
+        for i in range(2, len(rows), 4):
+            take = rows[i]
+            rows[i + 1] = tile
+            tail = take % vec
+            tile += (take - tail + tile_bytes - 1) // tile_bytes + (tail != 0)
+    return rows, rows[3::4], tile, vec, sum(item_nbytes)
+
 
 def _segments_vectorised(
     item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
     items_base, arena_base,
 ) -> tuple[array, array, int, int, int] | None:  # fmt: skip
     """What :func:`_segments_loop` returns, in whole-array passes; None if anything
-    is wrong (the loop then names the fault)."""
-    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    is wrong (the loop then names the fault).
+
+    An item is covered exactly when its extents' blocks hold its bytes with less
+    than a block to spare (``0 <= over < block_bytes``): then only each item's
+    last extent is clipped, by ``over``. Extents are disjoint and inside the
+    arena when, sorted separately, the k-th smallest end is at most the
+    (k+1)-th smallest start, the smallest start is at least 0 and the largest
+    end at most ``num_blocks``. Starts and counts are bounded by the arena
+    before any product or sum, so int64 never wraps in a step that passes.
+    """
+    if min(item_offsets) < 0 or min(item_nbytes) < 0:
+        return None
+    if max(map(add, item_offsets, item_nbytes)) > items_bytes:
+        return None
+    lens = np.array([len(table) for table in tables], np.int64)
+    n = int(lens.sum())
     flat = chain.from_iterable(chain.from_iterable(tables))  # no tuple list in between
     try:
-        extents = np.fromiter(flat, np.int64, 2 * int(lens.sum())).reshape(-1, 2)
-    except (ValueError, TypeError, OverflowError):
-        return None  # not (start, count) pairs of ints
-
-    starts, counts = extents[:, 0], extents[:, 1]
-    offsets = np.asarray(item_offsets, np.int64)
-    nbytes = np.asarray(item_nbytes, np.int64)
-    if (nbytes < 0).any() or (offsets < 0).any() or (offsets + nbytes > items_bytes).any():
+        extents = np.frombuffer(struct.pack(f"{2 * n}q", *flat), np.int64).reshape(n, 2)
+    except (struct.error, TypeError):
+        return None  # not (start, count) pairs of int64
+    starts, counts = extents.T
+    first_starts = np.sort(starts)
+    if first_starts[0] < 0 or first_starts[-1] >= num_blocks:
         return None
-    if (counts <= 0).any() or (starts < 0).any() or (starts + counts > num_blocks).any():
-        return None
-    item = np.repeat(np.arange(len(lens)), lens)  # the item of each extent
-    span = counts * block_bytes
-    stream_pos = np.cumsum(span) - span  # where each extent starts in the step's byte stream
-    item_pos = np.zeros(len(lens), np.int64)  # ...and where each item starts in it
-    item_pos[lens > 0] = stream_pos[(np.cumsum(lens) - lens)[lens > 0]]
-    pos = stream_pos - item_pos[item]  # where each extent starts inside its item
-    take = np.minimum(span, nbytes[item] - pos)
-    if (take <= 0).any() or (span - take >= block_bytes).any():
-        return None  # a block past the item's end, or a whole extent unwritten
-    if (np.bincount(item, weights=take, minlength=len(lens)) != nbytes).any():
+    if counts.min() <= 0 or counts.max() > num_blocks:
+        return None  # (bounded first: no int64 product or sum below can wrap)
+    rows = np.empty((n, 4), np.int64)  # item_offset, arena_offset, nbytes, first_tile
+    src, dst, take, first = rows.T
+    np.multiply(counts, block_bytes, out=take)  # whole extents, clipped below
+    stream = np.zeros(n + 1, np.int64)  # where each extent starts in the step's byte stream
+    np.cumsum(take, out=stream[1:])
+    ends = np.cumsum(lens)  # one past each item's last extent
+    item_start = stream[ends - lens]
+    over = stream[ends] - item_start - np.asarray(item_nbytes, np.int64)
+    if (over < 0).any() or (over >= block_bytes).any():
         return None  # an item not covered exactly
-    order = np.argsort(starts, kind="stable")
-    if (starts[order][1:] < (starts + counts)[order][:-1]).any():
-        return None  # blocks given twice
-    src = offsets[item] + pos
-    dst = starts * block_bytes
-    bits = np.bitwise_or.reduce(items_base + src) | np.bitwise_or.reduce(arena_base + dst)
+    has = lens > 0
+    take[ends[has] - 1] -= over[has]
+    np.add(stream[:-1], np.repeat(np.asarray(item_offsets, np.int64) - item_start, lens), out=src)
+    np.multiply(starts, block_bytes, out=dst)
+    last_ends = np.sort(starts + counts)
+    if last_ends[-1] > num_blocks or (first_starts[1:] < last_ends[:-1]).any():
+        return None  # past the arena's end, or blocks given twice
+    bits = np.bitwise_or.reduce(src + items_base) | np.bitwise_or.reduce(dst + arena_base)
     vec = int((bits | MAX_VEC_BYTES) & -(bits | MAX_VEC_BYTES))
     tail = take % vec
-    tiles = -(-(take - tail) // tile_bytes) + (tail != 0)
-    first_tiles = np.cumsum(tiles) - tiles
-    rows = np.stack([src, dst, take, first_tiles], axis=1)
-    return (array("q", rows.tobytes()), array("q", first_tiles.tobytes()),
-            int(tiles.sum()), vec, int(nbytes.sum()))  # fmt: skip
+    tiles = (take - tail + (tile_bytes - 1)) // tile_bytes + (tail != 0)
+    np.cumsum(tiles, out=first)
+    num_tiles = int(first[-1])
+    first -= tiles
+    return array("q", rows.tobytes()), array("q", first.tobytes()), num_tiles, vec, sum(item_nbytes)
 
 
-def _split_tiles(first_tiles: Sequence[int], num_tiles: int, programs: int) -> array:
+def _split_tiles(first_tiles: Sequence[int], num_tiles: int, programs: int) -> list[int]:
     """Program rows: ``num_tiles`` tiles in ``programs`` contiguous ranges of equal length
     (+-1), each with the segment its first tile falls in (every segment has a tile)."""
-    rows = array("q")
-    for p in range(programs):
-        begin, end = num_tiles * p // programs, num_tiles * (p + 1) // programs
-        rows.extend((bisect_right(first_tiles, begin) - 1, begin, end))
+    rows: list[int] = []
+    begin = 0
+    for p in range(1, programs + 1):
+        end = num_tiles * p // programs
+        rows += (bisect_right(first_tiles, begin) - 1, begin, end)
+        begin = end
     return rows
 
 

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -526,7 +526,7 @@ def prebuilt_launch(
     base, plan = plan_batch(sources, tables, arena, block_bytes, config=config)
     if base is None:
         return lambda: None
-    plan = replace(plan, table=plan.table.to(arena.device))
+    plan = plan._replace(table=plan.table.to(arena.device))
 
     def launch() -> None:
         with torch.cuda.stream(stream) if stream is not None else _null():

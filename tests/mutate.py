@@ -47,6 +47,7 @@ MODULES: dict[str, list[str]] = {
         "tests/test_plan_alignment.py",
         "tests/test_plan_programs.py",
         "tests/test_plan_vectorised.py",
+        "tests/test_plan_small.py",
         "tests/test_dma_split.py",
         "tests/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
         "tests/test_block_copy.py",

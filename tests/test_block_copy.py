@@ -15,6 +15,7 @@ from ecoffload.kernels import (
     triton_available,
     unpack,
 )
+from ecoffload.kernels import api as kernels_api
 
 B = 4096
 POISON = 0xA5
@@ -215,6 +216,33 @@ def test_non_contiguous_source_is_refused():
     src = torch.zeros(8, 8, device=DEVICE).t()
     with pytest.raises(ValueError, match="contiguous"):
         pack([src], [[(0, 1)]], torch.zeros(B, dtype=torch.uint8, device=DEVICE), B)
+
+
+def test_the_first_non_contiguous_tensor_is_named():
+    items = [torch.zeros(64, device=DEVICE), torch.zeros(8, 4, device=DEVICE).t(),
+             torch.zeros(4, 4, device=DEVICE).t()]  # fmt: skip
+    arena = torch.full((4 * B,), POISON, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(PlanError) as caught:
+        pack(items, [[(0, 1)], [(1, 1)], [(2, 1)]], arena, B)
+    assert str(caught.value) == (
+        "tensor 1 is not contiguous (shape (4, 8), strides (1, 4)): call .contiguous() first"
+    )
+    assert (arena == POISON).all()
+
+
+@pytest.mark.parametrize("empty_first", [True, False])
+def test_offsets_count_from_the_lowest_non_empty_tensor(empty_first):
+    """An empty tensor's address is meaningless (here: below every item's): it is never
+    the base, and its offset is 0."""
+    buffer = torch.zeros(1000, dtype=torch.uint8, device=DEVICE)
+    high, empty, low = buffer[600:700], buffer[0:0], buffer[200:300].view(torch.int16)
+    items = [empty, high, low] if empty_first else [high, low, empty]
+    base, offsets, sizes, span = kernels_api._item_layout(items)
+    assert base.data_ptr() == low.data_ptr() and base.dtype == torch.uint8 and base.dim() == 1
+    want = {id(high): 400, id(empty): 0, id(low): 0}
+    assert offsets == [want[id(t)] for t in items]
+    assert sizes == [t.nbytes for t in items] and span == 500
+    assert kernels_api._item_layout([empty, empty])[0] is None
 
 
 def test_tensor_on_another_device_is_refused():
