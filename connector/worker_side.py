@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -35,7 +36,7 @@ from ..engine.cache import dtype_from_name, dtype_name
 from ..engine.catalog import item_crc32
 from ..engine.errors import ArenaError, CatalogError
 from ..engine.transfer import BlockMover, Completion, split_completed
-from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig
+from ..kernels import PACK_CONFIG, UNPACK_CONFIG
 from .compat import is_writer_rank, worker_device
 from .config import OffloadConfig
 from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata
@@ -65,9 +66,9 @@ class WorkerSide:
         self.arena = open_shared_arena(config, vllm_config, register_cuda="auto")
         self.catalog = open_catalog(self.arena) if self.writes else None  # commits saves
         pack_config, unpack_config = PACK_CONFIG, UNPACK_CONFIG
-        if config.num_programs is not None:
-            pack_config = LaunchConfig(config.num_programs, PACK_CONFIG.num_warps)
-            unpack_config = LaunchConfig(config.num_programs, UNPACK_CONFIG.num_warps)
+        if config.num_programs is not None:  # the grid size only; the rest as measured
+            pack_config = replace(PACK_CONFIG, num_programs=config.num_programs)
+            unpack_config = replace(UNPACK_CONFIG, num_programs=config.num_programs)
         self.mover = BlockMover(
             self.arena, self.device, pack_config=pack_config, unpack_config=unpack_config
         )

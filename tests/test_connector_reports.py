@@ -299,6 +299,7 @@ def test_the_worker_names_what_it_mapped_when_it_starts(arena_dir, model_config,
         )
         mine = [r.getMessage() for r in caplog.records if r.name == side_logger]
         assert mine == [expected]
+        assert (side.catalog is not None) == (duty == "writes saves")  # only writers commit
     finally:
         worker.shutdown()
         sched.shutdown()
@@ -417,6 +418,28 @@ def test_the_worker_only_ever_commits_or_aborts_its_own_reservation(
         else:
             assert catalog.state("img") is None
         catalog.check()
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_num_programs_sets_the_grid_of_both_directions_and_nothing_else(arena_dir, model_config):
+    from dataclasses import replace
+
+    from vllm_harness import encoder_output, worker_step
+
+    from ecoffload.kernels import PACK_CONFIG, UNPACK_CONFIG
+
+    sched, worker = make_pair(make_config(arena_dir, model_config=model_config, num_programs=3))
+    try:
+        mover = worker.side.mover
+        assert mover.pack_config == replace(PACK_CONFIG, num_programs=3)
+        assert mover.unpack_config == replace(UNPACK_CONFIG, num_programs=3)
+        out = encoder_output(400, 1)  # 50 KiB: 4 tiles, split between the three programs
+        worker_step(worker, step(sched, ("img", 400)), {}, {"img": out})
+        cache = {}
+        worker_step(worker, step(sched, ("img", 400)), cache, {})
+        assert torch.equal(cache["img"], out)
     finally:
         worker.shutdown()
         sched.shutdown()
