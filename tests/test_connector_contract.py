@@ -8,6 +8,7 @@ between vLLM's processes.
 
 import copy
 import os
+import re
 import tempfile
 
 import pytest
@@ -379,7 +380,11 @@ def test_worker_refuses_metadata_of_another_arena(pair):
     sched, worker = pair
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())
     meta.arena ^= 1  # as if the scheduler had mapped another file
-    with pytest.raises(ArenaError, match="not the file this worker mapped"):
+    arena = worker.side.arena
+    expected = (f"the scheduler's arena (nonce {meta.arena:#x}) is not the file this worker "
+                f"mapped ({arena.path}, nonce {arena.nonce:#x}): give every process of the "
+                "instance the same arena_name and arena_dir")  # the way out included
+    with pytest.raises(ArenaError, match=re.escape(expected)):
         worker.bind_connector_metadata(meta)
 
 

@@ -293,7 +293,7 @@ def test_the_worker_names_what_it_mapped_when_it_starts(arena_dir, model_config,
             worker.start_worker_services()
         arena = side.arena
         expected = (
-            f"ecoffload: worker ready on {side.device}: arena {arena.path} "
+            f"ecoffload: worker ready on cpu: arena {arena.path} "
             f"({arena.num_blocks} blocks of {arena.block_bytes} bytes), "
             f"{side.mover.path} copy path, {duty}"
         )
