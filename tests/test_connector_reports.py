@@ -197,13 +197,15 @@ def test_hits_on_items_another_process_saved_are_counted_as_such(sched):
     arena = sched.side.arena
     ready(sched, "mine")
     ready(sched, "also-mine")
+    ready(sched, "mine-too")  # 3 own, 2 foreign: an inverted check counts 3
     subprocess.run([sys.executable, "-c", PRODUCE_ELSEWHERE, os.path.dirname(arena.path),
                     os.path.basename(arena.path),
                     layout_key_text(layout_key(sched.side._vllm_config)), "theirs", "also-theirs"],
                    check=True, timeout=120)  # fmt: skip
-    assert all(sched.has_cache_item(k) for k in ("mine", "theirs", "also-mine", "also-theirs"))
+    keys = ("mine", "theirs", "also-mine", "also-theirs", "mine-too")
+    assert all(sched.has_cache_item(k) for k in keys)
     stats = sched.offload_stats()
-    assert (stats["hits"], stats["hits_from_other_instances"]) == (4, 2)
+    assert (stats["hits"], stats["hits_from_other_instances"]) == (5, 2)
 
 
 def test_each_save_without_room_is_counted(sched):
