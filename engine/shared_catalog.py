@@ -11,8 +11,9 @@ every READY item.
 Layout of the region (little endian; ``layout()`` computes the offsets)::
 
     header      1 KiB: magic, version, sizes, dirty marker, recovery count, LRU
-                ends, free lists, counters, the ready watermark, the heads of 64
-                free-extent lists
+                ends, free lists, counters, the ready watermark, the count of
+                lock holders that died, at byte 256 the lock (a 64-byte slot) and
+                the boot it was initialised in, the heads of 64 free-extent lists
     buckets     hash table: one int64 slot index per bucket (power of two >= max_items)
     slots       max_items x 32 int64: state, hash chain, LRU links, use tick,
                 nbytes, blocks, first extent, pins, first pin record, owner
@@ -31,10 +32,24 @@ so a free coalesces with both neighbours in O(1)). ``meta_bytes`` is about
 per block: 73 MiB for an 8 GiB arena of 64 KiB blocks with the defaults
 (max_items = num_blocks, 256-byte keys), 0.9% of it; 21 MiB with max_items=32768.
 
-Concurrency: one Linux open-file-description lock (``F_OFD_SETLKW``) on the
-region's first byte, taken through a file description of the catalog's own
-(so two catalog objects in one process exclude each other too, and the
-kernel releases it when its holder dies) plus a thread lock.
+Concurrency: one process-shared, robust, error-checking pthread mutex in the
+header (glibc or musl, through ctypes) guards every operation. It is owned by
+a thread, so threads of one process, catalog objects of one process and
+processes all exclude each other with it alone. When its holder dies (process
+or thread), the kernel marks the mutex's futex word OWNER_DIED, and the next
+locker gets ``EOWNERDEAD``: it marks the mutex consistent at once (the data's
+own consistency is the ``dirty`` word's business, below), counts the death
+and goes on, recovering if ``dirty`` is set. A mutex unlocked while
+inconsistent would refuse every process forever (``ENOTRECOVERABLE``), so no
+path unlocks before ``pthread_mutex_consistent``; should a foreign process do
+it anyway, :class:`CatalogLockError` names the file and the remedy. The
+header records the boot (``/proc/sys/kernel/random/boot_id``) in which the
+mutex was initialised: a file that outlived a reboot (no process of that boot
+can hold it, but a futex word written before the crash may name a dead
+thread without OWNER_DIED) gets a fresh mutex at its first open. Opening
+(format, boot check) is serialised by an open-file-description lock on the
+region's first byte, held only inside the constructor. One pid namespace is
+assumed, as for the pid/start-time owners below.
 
 Crash consistency: the *slot table* is the truth; the hash table, LRU list,
 free lists, free-extent structure, per-slot pin lists and counters are derived.
@@ -63,10 +78,13 @@ Plain Python on purpose: no torch import; numpy only in recovery and ``check``.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import logging
 import mmap
 import os
+import platform
 import struct
 import threading
 import time
@@ -82,6 +100,7 @@ from .errors import (
     ArenaLayoutMismatch,
     CatalogCapacityError,
     CatalogError,
+    CatalogLockError,
     DuplicateItemError,
     InvalidSizeError,
     ItemStateError,
@@ -92,7 +111,7 @@ from .errors import (
 log = logging.getLogger(__name__)
 
 MAGIC = int.from_bytes(b"ECOCAT\x00\x01", "little")
-VERSION = 2  # 2: the ready watermark (word H_READY_BLOCKS)
+VERSION = 3  # 2: the ready watermark (word H_READY_BLOCKS); 3: the robust mutex
 HEADER_BYTES = 1024
 SLOT_WORDS = 32
 PIN_WORDS = 5
@@ -105,7 +124,10 @@ DEFAULT_MAX_KEY_BYTES = 256
  H_MAX_PINS, H_BUCKETS, H_DIRTY, H_RECOVERIES, H_TICK, H_GEN, H_LRU_HEAD, H_LRU_TAIL,
  H_SLOT_FREE, H_PIN_FREE, H_FREE_BLOCKS, H_EVICTABLE, H_ITEMS, H_READY_ITEMS, H_READY_BYTES,
  H_MASK, H_HITS, H_MISSES, H_EVICTIONS, H_STORED, H_BYTES_STORED, H_BYTES_EVICTED,
- H_RESERVE_FAILURES, H_READY_BLOCKS) = range(31)  # fmt: skip
+ H_RESERVE_FAILURES, H_READY_BLOCKS, H_LOCK_DEATHS) = range(32)  # fmt: skip
+MUTEX_AT = 256  # byte offset of the mutex: a 64-byte slot, 64-byte aligned (words 32..39)
+MUTEX_SLOT = 64
+H_BOOT = 40  # two words: the boot id the mutex was initialised in
 H_CLASSES = 64  # 64 heads of the free-extent size-class lists
 NUM_CLASSES = 64
 
@@ -120,11 +142,53 @@ _STATE = {WRITING: ItemState.WRITING, READY: ItemState.READY}
 
 P_SLOT, P_NEXT, P_PID, P_START, P_COUNT = range(PIN_WORDS)
 
-_LOCK_CMD = fcntl.F_OFD_SETLKW
-_UNLOCK_CMD = fcntl.F_OFD_SETLK
-
-_forks = [0]  # bumped in every forked child: a catalog object then reopens its lock
+_forks = [0]  # bumped in every forked child: a catalog object then learns its pid again
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
+# sizeof(pthread_mutex_t), which no run-time interface reports: glibc's per
+# machine (musl's is 40 on every 64-bit machine). Every one fits MUTEX_SLOT.
+_MUTEX_BYTES = {"x86_64": 40, "aarch64": 48, "ppc64le": 40, "s390x": 40, "riscv64": 40}
+assert max(_MUTEX_BYTES.values()) <= MUTEX_SLOT
+_PTHREAD_PROCESS_SHARED, _PTHREAD_MUTEX_ROBUST, _PTHREAD_MUTEX_ERRORCHECK = 1, 1, 2
+_FUTEX_TID_MASK = 0x3FFFFFFF  # the owner's thread id in a robust futex word (kernel ABI)
+_GLIBC = platform.libc_ver()[0] == "glibc"
+_WAIT_SLICE_S = 0.2  # a blocked locker returns to Python this often (signals, warnings)
+_WAIT_WARN_S = 10.0  # then every minute
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _pthread(lib_type):
+    """The pthread functions of the C library, called through ``lib_type``: PyDLL
+    (keeps the GIL: for calls that never block) or CDLL (releases it)."""
+    for name in (None, "libc.so.6", "libpthread.so.0"):
+        try:
+            lib = lib_type(name)
+            lib.pthread_mutex_consistent  # noqa: B018 - present since glibc 2.12
+        except (OSError, AttributeError):
+            continue
+        void_p = [ctypes.c_void_p]
+        for fn, args in (("pthread_mutex_trylock", void_p), ("pthread_mutex_unlock", void_p),
+                         ("pthread_mutex_consistent", void_p), ("pthread_mutex_init", void_p * 2),
+                         ("pthread_mutexattr_init", void_p),
+                         ("pthread_mutexattr_destroy", void_p),
+                         ("pthread_mutexattr_setpshared", [ctypes.c_void_p, ctypes.c_int]),
+                         ("pthread_mutexattr_setrobust", [ctypes.c_void_p, ctypes.c_int]),
+                         ("pthread_mutexattr_settype", [ctypes.c_void_p, ctypes.c_int]),
+                         ("pthread_mutex_timedlock",
+                          [ctypes.c_void_p, ctypes.POINTER(_Timespec)])):  # fmt: skip
+            getattr(lib, fn).argtypes = args
+            getattr(lib, fn).restype = ctypes.c_int
+        return lib
+    return None
+
+
+_PT = _pthread(ctypes.PyDLL)  # trylock, unlock, consistent, init: never block
+_PT_WAIT = _pthread(ctypes.CDLL)  # timedlock: blocks, so the GIL is released
+if _PT is not None:
+    _trylock, _unlock = _PT.pthread_mutex_trylock, _PT.pthread_mutex_unlock
 
 #: Tests set this to a callable that receives the name of each point inside a
 #: locked update (it may sleep or SIGKILL the process there).
@@ -212,6 +276,16 @@ def process_start_time(pid: int) -> int | None:
     return int(line.rsplit(b")", 1)[1].split()[19])
 
 
+def _boot_id() -> tuple[int, int]:
+    """This boot's id (/proc/sys/kernel/random/boot_id) as two int64 words; (0, 0) if none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            raw = bytes.fromhex(f.read().strip().replace(b"-", b"").decode())
+    except (OSError, ValueError):
+        return (0, 0)
+    return struct.unpack("<qq", raw[:16].ljust(16, b"\0"))
+
+
 def _alive(pid: int, start: int, cache: dict | None = None) -> bool:
     if cache is not None and (pid, start) in cache:
         return cache[pid, start]
@@ -295,23 +369,32 @@ class SharedCatalog:
     ) -> None:
         if offset % mmap.PAGESIZE:
             raise InvalidSizeError(f"the region offset must be page aligned, got {offset}")
+        if _PT is None:
+            raise CatalogLockError(
+                "the C library offers no robust process-shared pthread mutex "
+                "(pthread_mutex_consistent): the shared catalog needs glibc or musl on Linux"
+            )
         self.path = path or f"fd {fd}"
         self._fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         self._region = (offset, size)
         self._mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, offset=offset)
         self._w = memoryview(self._mm).cast("q")
-        self._tlock = threading.Lock()
-        lk = struct.Struct("hhqqi4x")
-        self._lk = lk.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
-        self._ulk = lk.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0)
-        self._pid = -1
+        if size < HEADER_BYTES:
+            self.close()
+            raise InvalidSizeError(f"the catalog region must hold its {HEADER_BYTES}-byte "
+                                   f"header, got {size} bytes")  # fmt: skip
+        at = ctypes.c_char.from_buffer(self._mm, MUTEX_AT)
+        self._mx = ctypes.c_void_p(ctypes.addressof(at))  # valid while the map is
+        del at  # (a live export would keep the map from closing)
         self._identify()
         self._desc: dict[int, SharedEntry] = {}  # slot -> this object's entry of it
         self._slots: dict[str, tuple[int, int]] = {}  # key -> (slot, generation) seen
         self._last_reap = 0.0
         self.local = CatalogStats()  # this object's own hits and misses
         wanted = (num_blocks, block_bytes, max_items, max_key_bytes, max_pins)
-        self._lock()
+        byte0 = struct.Struct("hhqqi4x")  # struct flock: the region's first byte
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW,
+                    byte0.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))  # fmt: skip
         try:
             if self._w[H_MAGIC] != MAGIC:
                 if num_blocks is None or block_bytes is None:
@@ -331,17 +414,29 @@ class SharedCatalog:
             for name, want, got in zip(names, wanted, found, strict=True):
                 if want is not None and want != got:
                     raise ArenaLayoutMismatch(self.path, f"catalog {name}", want, got)
-            if self._w[H_DIRTY]:
-                self._recover()
-            else:
-                self._w[H_DIRTY] = self._pid
-                self._reap(force=True)
-                self._w[H_DIRTY] = 0
+            boot = _boot_id()
+            if (self._w[H_BOOT], self._w[H_BOOT + 1]) != boot:
+                # Every process of this boot that used the mutex opened the file first
+                # (and recorded this boot): nobody holds it. Dirty, if set, stays set.
+                log.info("catalog %s: its lock is from another boot; initialising it afresh",
+                         self.path)  # fmt: skip
+                self._init_mutex()
+                self._w[H_BOOT], self._w[H_BOOT + 1] = boot
+            self._lock()
+            try:
+                if self._w[H_DIRTY]:
+                    self._recover()
+                else:
+                    self._w[H_DIRTY] = self._pid
+                    self._reap(force=True)
+                    self._w[H_DIRTY] = 0
+            finally:
+                self._unlock()
         except BaseException:
-            self._unlock()
             self.close()
             raise
-        self._unlock()
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK,
+                    byte0.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))  # fmt: skip
         self.allocator = _AllocatorView(self)
 
     @classmethod
@@ -365,8 +460,8 @@ class SharedCatalog:
             v = self.__dict__.pop(view, None)
             if v is not None:
                 v.release()
-        for name in ("_fs", "_fe", "_fn", "_fp", "_ec", "_en"):
-            self.__dict__.pop(name, None)
+        for name in ("_fs", "_fe", "_fn", "_fp", "_ec", "_en", "_mx"):
+            self.__dict__.pop(name, None)  # a later call fails on the name, never the address
         self._mm.close()
         self._mm = None
         os.close(self._fd)
@@ -382,28 +477,112 @@ class SharedCatalog:
             self.close()
 
     def _identify(self) -> None:
-        pid = os.getpid()
+        """Who this process is (pid, start time), for dirty marks, pins and reservations:
+        at first use and again in a forked child (the mutex needs no new descriptor)."""
         self._forked = _forks[0]
-        if pid != self._pid:  # first use, or after a fork: a description of our own
-            if self._pid != -1:
-                old, self._fd = self._fd, os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR)
-                os.close(old)
-                self._tlock = threading.Lock()
-            self._pid, self._start = pid, process_start_time(pid) or 0
+        pid = os.getpid()
+        self._pid, self._start = pid, process_start_time(pid) or 0
 
     def _lock(self) -> None:
+        """Take the catalog's mutex for this thread (no recovery: see :meth:`_begin`)."""
         if _forks[0] != self._forked:
             self._identify()
-        self._tlock.acquire()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
+
+    def _lock_slow(self, rc: int) -> None:
+        """The mutex was held (EBUSY: wait for it) or its holder died (EOWNERDEAD: make
+        it consistent, count the death); anything else raises CatalogLockError."""
+        mx, t0 = self._mx, time.monotonic()
+        warn_at = t0 + _WAIT_WARN_S
         try:
-            fcntl.fcntl(self._fd, _LOCK_CMD, self._lk)
-        except BaseException:
-            self._tlock.release()
+            while rc == errno.EBUSY or rc == errno.ETIMEDOUT:
+                until = time.time() + _WAIT_SLICE_S
+                rc = _PT_WAIT.pthread_mutex_timedlock(
+                    mx, _Timespec(int(until), int(until % 1 * 1e9)))  # fmt: skip
+                if rc == errno.ETIMEDOUT and time.monotonic() >= warn_at:
+                    warn_at += 60
+                    log.warning(
+                        "catalog %s: waiting %.0f s for its lock; a process holds it without "
+                        "releasing it (stopped, or stuck inside an update?)",
+                        self.path, time.monotonic() - t0,
+                    )  # fmt: skip
+            if rc == errno.EOWNERDEAD:
+                # At once, before anything can raise: an unlock before this would make
+                # the mutex unrecoverable for every process. The data's state is
+                # dirty's business: the caller recovers if the holder died inside an update.
+                _PT.pthread_mutex_consistent(mx)
+                rc = 0
+                self._w[H_LOCK_DEATHS] += 1
+                log.warning(
+                    "catalog %s: its lock's holder (a process or thread) died holding it (%s); "
+                    "taken over", self.path,
+                    "inside an update: rebuilding" if self._w[H_DIRTY] else "no update pending",
+                )  # fmt: skip
+        except BaseException:  # rc is always the last call's: held if 0 or EOWNERDEAD
+            if rc == errno.EOWNERDEAD:
+                _PT.pthread_mutex_consistent(mx)
+            if rc == 0 or rc == errno.EOWNERDEAD:
+                _unlock(mx)
             raise
+        if rc == 0:
+            return
+        if rc == errno.ENOTRECOVERABLE:
+            # glibc's trylock returns this with the futex word still naming this thread
+            # (its CAS succeeded; the mutex is on no robust list): clear it, or every
+            # other locker would wait forever instead of hearing the same.
+            word = MUTEX_AT // 8  # glibc: int __lock, then int __count
+            if _GLIBC and self._w[word] & _FUTEX_TID_MASK == threading.get_native_id():
+                self._w[word] = 0
+            raise CatalogLockError(
+                f"catalog {self.path}: its lock is unrecoverable (a process released it after "
+                "its holder died without marking it consistent, which ecoffload never "
+                "does): stop every process using this arena, then remove the file (a "
+                "persistent arena: Arena.remove_shared) and start again"
+            )
+        if rc == errno.EDEADLK:
+            raise CatalogLockError(
+                f"catalog {self.path}: this thread already holds its lock (a catalog call "
+                "from inside another, e.g. from a fault hook or signal handler, or through "
+                "a second catalog object of the same file)"
+            )
+        raise CatalogLockError(
+            f"catalog {self.path}: pthread_mutex_timedlock failed with "
+            f"{errno.errorcode.get(rc, rc)}: {os.strerror(rc)}"
+        )
 
     def _unlock(self) -> None:
-        fcntl.fcntl(self._fd, _UNLOCK_CMD, self._ulk)
-        self._tlock.release()
+        if _unlock(self._mx):
+            self._unlock_failed()
+
+    def _unlock_failed(self) -> None:
+        raise CatalogLockError(
+            f"catalog {self.path}: this thread released a lock it does not hold (a bug)"
+        )
+
+    def _init_mutex(self) -> None:
+        """(Re)initialise the mutex: process-shared, robust, error-checking (open lock held)."""
+        attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t: 4 or 8 bytes
+        pt, mx = _PT, self._mx
+        for what, call in (
+            ("mutexattr_init", lambda: pt.pthread_mutexattr_init(attr)),
+            ("mutexattr_setpshared",
+             lambda: pt.pthread_mutexattr_setpshared(attr, _PTHREAD_PROCESS_SHARED)),
+            ("mutexattr_setrobust",
+             lambda: pt.pthread_mutexattr_setrobust(attr, _PTHREAD_MUTEX_ROBUST)),
+            ("mutexattr_settype",
+             lambda: pt.pthread_mutexattr_settype(attr, _PTHREAD_MUTEX_ERRORCHECK)),
+            ("mutex_init", lambda: pt.pthread_mutex_init(mx, attr)),
+        ):  # fmt: skip
+            rc = call()
+            if rc:
+                raise CatalogLockError(
+                    f"catalog {self.path}: pthread_{what} failed with {os.strerror(rc)}: "
+                    "the shared catalog needs robust process-shared mutexes (Linux, glibc "
+                    "or musl)"
+                )
+        pt.pthread_mutexattr_destroy(attr)
 
     def _begin(self) -> None:
         """Lock for an update: recover first if the last updater died inside one."""
@@ -444,6 +623,8 @@ class SharedCatalog:
                          (H_READY_BLOCKS, max(0, min(ready_blocks, lay.num_blocks)))):  # fmt: skip
                 w[i] = v
             w[H_DIRTY] = self._pid  # formatted by the recovery below
+            w[H_BOOT], w[H_BOOT + 1] = _boot_id()
+            self._init_mutex()
             w[H_MAGIC] = MAGIC
         finally:
             w.release()
@@ -480,6 +661,11 @@ class SharedCatalog:
     def recoveries(self) -> int:
         """How many times a locker found the catalog dirty and rebuilt it."""
         return self._w[H_RECOVERIES]
+
+    @property
+    def lock_deaths(self) -> int:
+        """How many times a locker took the lock over from a holder that had died."""
+        return self._w[H_LOCK_DEATHS]
 
     @staticmethod
     def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -800,8 +986,8 @@ class SharedCatalog:
             self._end(isinstance(exc, CatalogError))
             raise
         w[H_DIRTY] = 0
-        fcntl.fcntl(self._fd, _UNLOCK_CMD, self._ulk)
-        self._tlock.release()
+        if _unlock(self._mx):
+            self._unlock_failed()
         return entry
 
     def pin(self, key: str) -> SharedEntry:

@@ -199,7 +199,7 @@ def test_dead_process_reservations_and_pins_are_released(tmp_path):
     c.close()
 
 
-def test_a_fork_gets_a_lock_of_its_own(tmp_path):
+def test_a_forked_child_uses_an_inherited_catalog_as_itself(tmp_path):
     c = open_shared(tmp_path / "c", 8)
     c.reserve("x", B)
     r, w = os.pipe()
