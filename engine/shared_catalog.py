@@ -15,9 +15,10 @@ Layout of the region (little endian; ``layout()`` computes the offsets)::
                 lock holders that died, at byte 256 the lock (a 64-byte slot) and
                 the boot it was initialised in, the heads of 64 free-extent lists
     buckets     hash table: one int64 slot index per bucket (power of two >= max_items)
-    slots       max_items x 32 int64: state, hash chain, LRU links, use tick,
-                nbytes, blocks, first extent, pins, first pin record, owner
-                (pid, start time), CRC-32, key hash/length, shape, dtype, generation
+    slots       max_items x 32 int64 (64-byte aligned): state, generation, LRU
+                links, use tick, pins, first pin record, blocks | hash chain, key
+                hash/length, nbytes, first extent, CRC-32, owner (pid, start
+                time) | shape, dtype
     keys        max_items x max_key_bytes: the UTF-8 key of each slot
     pins        max_pins x 5 int64: (slot, next, pid, start time, count), one per
                 pinned (item, process)
@@ -111,7 +112,8 @@ from .errors import (
 log = logging.getLogger(__name__)
 
 MAGIC = int.from_bytes(b"ECOCAT\x00\x01", "little")
-VERSION = 3  # 2: the ready watermark (word H_READY_BLOCKS); 3: the robust mutex
+VERSION = 3  # 2: the ready watermark (word H_READY_BLOCKS); 3: the robust mutex, slot words
+# in cache-line order
 HEADER_BYTES = 1024
 SLOT_WORDS = 32
 PIN_WORDS = 5
@@ -131,12 +133,12 @@ H_BOOT = 40  # two words: the boot id the mutex was initialised in
 H_CLASSES = 64  # 64 heads of the free-extent size-class lists
 NUM_CLASSES = 64
 
-# Slot words (state FREE, WRITING, READY).
-(S_STATE, S_HNEXT, S_PREV, S_NEXT, S_TICK, S_NBYTES, S_BLOCKS, S_EXT, S_NEXT_EXT_UNUSED,
- S_PINS, S_PIN_HEAD, S_PID, S_START, S_CRC, S_HASH, S_KLEN, S_NDIM) = range(17)  # fmt: skip
+# Slot words (state FREE, WRITING, READY), by cache line: what a hit, a pin and an
+# unpin read and write; what a key search and a reservation do; shape and dtype.
+(S_STATE, S_GEN, S_PREV, S_NEXT, S_TICK, S_PINS, S_PIN_HEAD, S_BLOCKS,
+ S_HNEXT, S_HASH, S_KLEN, S_NBYTES, S_EXT, S_CRC, S_PID, S_START, S_NDIM) = range(17)  # fmt: skip
 S_DIMS = 17  # MAX_DIMS words
 S_DTYPE = 25  # DTYPE_BYTES bytes
-S_GEN = 27
 FREE, WRITING, READY = 0, 1, 2
 _STATE = {WRITING: ItemState.WRITING, READY: ItemState.READY}
 
