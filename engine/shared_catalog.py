@@ -141,6 +141,8 @@ S_DIMS = 17  # MAX_DIMS words
 S_DTYPE = 25  # DTYPE_BYTES bytes
 FREE, WRITING, READY = 0, 1, 2
 _STATE = {WRITING: ItemState.WRITING, READY: ItemState.READY}
+_WRITING, _READY = ItemState.WRITING, ItemState.READY
+_DTYPES: dict[str, tuple[str, int, int]] = {}  # dtype name -> (name, its two slot words)
 
 P_SLOT, P_NEXT, P_PID, P_START, P_COUNT = range(PIN_WORDS)
 
@@ -198,6 +200,7 @@ fault_hook: Callable[[str], None] | None = None
 
 
 def _fault(point: str) -> None:
+    """A fault point (hot paths test ``fault_hook`` inline instead: a call costs)."""
     if fault_hook is not None:
         fault_hook(point)
 
@@ -389,8 +392,7 @@ class SharedCatalog:
         self._mx = ctypes.c_void_p(ctypes.addressof(at))  # valid while the map is
         del at  # (a live export would keep the map from closing)
         self._identify()
-        self._desc: dict[int, SharedEntry] = {}  # slot -> this object's entry of it
-        self._slots: dict[str, tuple[int, int]] = {}  # key -> (slot, generation) seen
+        self._seen: dict[str, SharedEntry] = {}  # key -> this object's entry of it
         self._last_reap = 0.0
         self.local = CatalogStats()  # this object's own hits and misses
         wanted = (num_blocks, block_bytes, max_items, max_key_bytes, max_pins)
@@ -586,9 +588,14 @@ class SharedCatalog:
                 )
         pt.pthread_mutexattr_destroy(attr)
 
-    def _begin(self) -> None:
-        """Lock for an update: recover first if the last updater died inside one."""
-        self._lock()
+    def _begin(self) -> memoryview:
+        """Lock for an update (recover first if the last updater died inside one);
+        the header and slot words."""
+        if _forks[0] != self._forked:
+            self._identify()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
         w = self._w
         if w[H_DIRTY]:
             try:
@@ -597,6 +604,7 @@ class SharedCatalog:
                 self._unlock()
                 raise
         w[H_DIRTY] = self._pid
+        return w
 
     def _lock_clean(self) -> None:
         """Lock for reading: recover first if the last updater died inside an update."""
@@ -611,7 +619,8 @@ class SharedCatalog:
     def _end(self, clean: bool = True) -> None:
         if clean:
             self._w[H_DIRTY] = 0
-        self._unlock()
+        if _unlock(self._mx):
+            self._unlock_failed()
 
     def _format(self, lay: Layout, ready_blocks: int) -> None:
         w = memoryview(self._mm).cast("q")
@@ -671,6 +680,8 @@ class SharedCatalog:
 
     @staticmethod
     def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not shape:
+            return ()
         dims = tuple(int(d) for d in shape)
         if len(dims) > MAX_DIMS:
             raise CatalogCapacityError(
@@ -679,14 +690,21 @@ class SharedCatalog:
         return dims
 
     @staticmethod
-    def _dtype_bytes(dtype: str) -> bytes:
-        dt = str(dtype).encode()
-        if len(dt) > DTYPE_BYTES:
-            raise CatalogCapacityError(
-                f"dtype {dtype!r}: a dtype name of at most {DTYPE_BYTES} bytes fits a shared "
-                "catalog entry"
-            )
-        return dt.ljust(DTYPE_BYTES, b"\0")
+    def _dtype_words(dtype: object) -> tuple[str, int, int]:  # (name, word, word)
+        """The dtype's name and its two words in a slot (cached: a handful of dtypes)."""
+        name = dtype if type(dtype) is str else str(dtype)
+        got = _DTYPES.get(name)
+        if got is None:
+            dt = name.encode()
+            if len(dt) > DTYPE_BYTES:
+                raise CatalogCapacityError(
+                    f"dtype {dtype!r}: a dtype name of at most {DTYPE_BYTES} bytes fits a "
+                    "shared catalog entry"
+                )
+            if len(_DTYPES) >= 64:
+                _DTYPES.clear()
+            got = _DTYPES[name] = (name, *struct.unpack("<qq", dt.ljust(DTYPE_BYTES, b"\0")))
+        return got
 
     def _blocks_for(self, nbytes: int) -> int:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
@@ -715,55 +733,63 @@ class SharedCatalog:
         return -1
 
     def _slot_of(self, key: str) -> int:
-        """The slot holding ``key`` or -1; a slot seen before is confirmed by its generation
-        (unique per reservation), so a repeated key costs no hashing or key compare."""
+        """The slot holding ``key`` or -1. The entry of a key seen before names its slot
+        and generation (unique per reservation), so a repeated key costs no hashing or
+        key compare; a key found in the table is seen from then on."""
         w = self._w
-        seen = self._slots.get(key)
-        if seen is not None:
-            b = self._sl + seen[0] * SLOT_WORDS
-            if w[b + S_GEN] == seen[1] and w[b + S_STATE] != FREE:
-                return seen[0]
+        entry = self._seen.get(key)
+        if entry is not None:
+            b = self._sl + entry.slot * SLOT_WORDS
+            if w[b + S_GEN] == entry.generation and w[b + S_STATE] != FREE:
+                return entry.slot
         kb = key.encode()
         s = self._find(kb, zlib.crc32(kb))
         if s >= 0:
-            if len(self._slots) >= self.layout.max_items:
-                self._slots.clear()
-            self._slots[key] = (s, w[self._sl + s * SLOT_WORDS + S_GEN])
+            self._snapshot(s, key)
         return s
 
-    def _snapshot(self, s: int) -> SharedEntry:
-        """This object's entry of slot ``s``, refreshed (state, pins, CRC) on every call.
+    def _snapshot(self, s: int, key: str | None = None) -> SharedEntry:
+        """This object's entry of slot ``s`` (holding ``key``, if the caller knows it),
+        refreshed (state, pins, CRC) on every call.
 
         Like the in-process catalog's entries, it is one object per item that the
         catalog keeps up to date, so a hit costs no decoding.
         """
         w, b = self._w, self._sl + s * SLOT_WORDS
         gen = w[b + S_GEN]
-        entry = self._desc.get(s)
         state = w[b + S_STATE]
-        # Rebuilt when the slot was reused, or first seen READY (commit may set
-        # dtype and shape); a READY item never changes again.
-        if entry is None or entry.generation != gen or (
-            entry.state is ItemState.WRITING and state == READY
-        ):
+        if key is None:
+            mk = self._mkey
+            key = bytes(self._k[s * mk : s * mk + w[b + S_KLEN]]).decode()
+        entry = self._seen.get(key)
+        if entry is not None and (entry.slot != s or entry.generation != gen):
+            entry = None  # an earlier reservation of the key
+        if state == READY and entry is not None and entry.state is _READY:
+            entry.pins = w[b + S_PINS]  # nothing else of a READY item ever changes
+            return entry
+        # Rebuilt when new, or first seen READY (commit may set dtype and shape).
+        if entry is None or (entry.state is _WRITING and state == READY):
             i, en = self._i, self._en
             extents, e = [], w[b + S_EXT]
             while e >= 0:
                 extents.append(Extent(e, i[self._ec + e]))
                 e = i[en + e]
-            klen, mk = w[b + S_KLEN], self._mkey
-            key = bytes(self._k[s * mk : s * mk + klen]).decode()
             shape = tuple(w[b + S_DIMS : b + S_DIMS + w[b + S_NDIM]])
             dtype = bytes(self._w[b + S_DTYPE : b + S_DTYPE + 2].cast("B")).rstrip(b"\0").decode()
             producer = (w[b + S_PID], w[b + S_START])
             entry = SharedEntry(key, extents, w[b + S_NBYTES], dtype, shape, slot=s,
                                 generation=gen, producer=producer)  # fmt: skip
-            self._desc[s] = entry
+            self._remember(key, entry)
         crc = w[b + S_CRC]
         entry.state = _STATE[state]
         entry.pins = w[b + S_PINS]
         entry.checksum = None if crc < 0 else crc
         return entry
+
+    def _remember(self, key: str, entry: SharedEntry) -> None:
+        if len(self._seen) >= self.layout.max_items and key not in self._seen:
+            self._seen.clear()  # bounded: the keys of evicted items go too
+        self._seen[key] = entry
 
     def state(self, key: str) -> ItemState | None:
         """The state of ``key``, or None if the catalog does not hold it."""
@@ -778,7 +804,7 @@ class SharedCatalog:
         """A snapshot of the entry of ``key`` in any state (raises UnknownItemError)."""
         self._lock_clean()
         try:
-            return self._snapshot(self._expect(key, None, "entry"))
+            return self._snapshot(self._expect(key, None, "entry"), key)
         finally:
             self._unlock()
 
@@ -824,15 +850,14 @@ class SharedCatalog:
                 f"key {key[:40]!r}... is {len(kb)} bytes, this catalog holds keys of at most "
                 f"{self._mkey}: create the arena with a larger max_key_bytes"
             )
-        shape = self._dims(shape)
-        dt = self._dtype_bytes(dtype)
+        dims = self._dims(shape)
+        dt_name, dt0, dt1 = self._dtype_words(dtype)
         need = self._blocks_for(nbytes)
         h = zlib.crc32(kb)
-        self._begin()
+        w = self._begin()
         try:
-            w = self._w
-            if self._find(kb, h) >= 0:
-                s = self._find(kb, h)
+            s = self._find(kb, h)
+            if s >= 0:
                 raise DuplicateItemError(
                     f"key {key!r} is already in the catalog "
                     f"({_STATE[w[self._sl + s * SLOT_WORDS + S_STATE]].value}); "
@@ -846,33 +871,49 @@ class SharedCatalog:
             s = w[H_SLOT_FREE]
             b = self._sl + s * SLOT_WORDS
             w[H_SLOT_FREE] = w[b + S_HNEXT]
-            _fault("reserve:allocated")
+            if fault_hook is not None:
+                fault_hook("reserve:allocated")
             i, ec, en = self._i, self._ec, self._en
-            for j, (start, count) in enumerate(extents):
-                i[ec + start] = count
-                i[en + start] = extents[j + 1][0] if j + 1 < len(extents) else -1
+            last = len(extents) - 1
+            for j, (first, count) in enumerate(extents):
+                i[ec + first] = count
+                i[en + first] = extents[j + 1][0] if j < last else -1
             mk = self._mkey
             self._k[s * mk : s * mk + len(kb)] = kb
             gen = w[H_GEN] + 1
             w[H_GEN] = gen
-            for f, v in ((S_NBYTES, nbytes), (S_BLOCKS, need), (S_EXT, extents[0][0]),
-                         (S_PINS, 0), (S_PIN_HEAD, -1), (S_PID, self._pid),
-                         (S_START, self._start), (S_CRC, -1), (S_HASH, h), (S_KLEN, len(kb)),
-                         (S_NDIM, len(shape)), (S_GEN, gen), (S_PREV, -1),
-                         (S_NEXT, -1)):  # fmt: skip
-                w[b + f] = v
-            w[b + S_DIMS : b + S_DIMS + len(shape)] = memoryview(
-                struct.pack(f"<{len(shape)}q", *shape)
-            ).cast("q")
-            w[b + S_DTYPE : b + S_DTYPE + 2] = memoryview(dt).cast("q")
-            _fault("reserve:written")
+            pid, start = self._pid, self._start
+            w[b + S_NBYTES] = nbytes
+            w[b + S_BLOCKS] = need
+            w[b + S_EXT] = extents[0][0]
+            w[b + S_PINS] = 0
+            w[b + S_PIN_HEAD] = -1
+            w[b + S_PID] = pid
+            w[b + S_START] = start
+            w[b + S_CRC] = -1
+            w[b + S_HASH] = h
+            w[b + S_KLEN] = len(kb)
+            w[b + S_NDIM] = len(dims)
+            w[b + S_GEN] = gen
+            w[b + S_PREV] = -1
+            w[b + S_NEXT] = -1
+            for j, d in enumerate(dims):
+                w[b + S_DIMS + j] = d
+            w[b + S_DTYPE] = dt0
+            w[b + S_DTYPE + 1] = dt1
+            if fault_hook is not None:
+                fault_hook("reserve:written")
             w[b + S_STATE] = WRITING  # the slot exists from here on
-            _fault("reserve:published")
+            if fault_hook is not None:
+                fault_hook("reserve:published")
             bucket = self._bk + (h & self._hmask)
             w[b + S_HNEXT] = w[bucket]
             w[bucket] = s
             w[H_ITEMS] += 1
-            entry = self._snapshot(s)
+            # What _snapshot would decode, without decoding it.
+            entry = SharedEntry(key, extents, nbytes, dt_name, dims, slot=s, generation=gen,
+                                producer=(pid, start))  # fmt: skip
+            self._remember(key, entry)
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise
@@ -897,30 +938,34 @@ class SharedCatalog:
         writer knows them; the process that reserved may not have).
         """
         dims = self._dims(shape) if shape is not None else None
-        dt = self._dtype_bytes(dtype) if dtype is not None else None
-        self._begin()
+        dt = self._dtype_words(dtype) if dtype is not None else None
+        crc = -1 if checksum is None else checksum
+        w = self._begin()
         try:
             s = self._expect(key, WRITING, "commit")
-            w, b = self._w, self._sl + s * SLOT_WORDS
-            if generation is not None and w[b + S_GEN] != generation:
+            b = self._sl + s * SLOT_WORDS
+            gen = w[b + S_GEN]
+            if generation is not None and gen != generation:
                 raise ItemStateError(
                     f"commit({key!r}): reservation {generation} is gone (the key was "
-                    f"reserved again as {w[b + S_GEN]}); the bytes written may be stale"
+                    f"reserved again as {gen}); the bytes written may be stale"
                 )
             if dims is not None:
                 w[b + S_NDIM] = len(dims)
-                w[b + S_DIMS : b + S_DIMS + len(dims)] = memoryview(
-                    struct.pack(f"<{len(dims)}q", *dims)
-                ).cast("q")
+                for j, d in enumerate(dims):
+                    w[b + S_DIMS + j] = d
             if dt is not None:
-                w[b + S_DTYPE : b + S_DTYPE + 2] = memoryview(dt).cast("q")
-            w[b + S_CRC] = -1 if checksum is None else checksum
+                w[b + S_DTYPE] = dt[1]
+                w[b + S_DTYPE + 1] = dt[2]
+            w[b + S_CRC] = crc
             tick = w[H_TICK] + 1
             w[H_TICK] = tick
             w[b + S_TICK] = tick
-            _fault("commit:written")
+            if fault_hook is not None:
+                fault_hook("commit:written")
             w[b + S_STATE] = READY
-            _fault("commit:published")
+            if fault_hook is not None:
+                fault_hook("commit:published")
             self._lru_append(s)
             blocks, nbytes = w[b + S_BLOCKS], w[b + S_NBYTES]
             w[H_EVICTABLE] += blocks
@@ -928,7 +973,19 @@ class SharedCatalog:
             w[H_READY_BYTES] += nbytes
             w[H_STORED] += 1
             w[H_BYTES_STORED] += nbytes
-            entry = self._snapshot(s)
+            entry = self._seen.get(key)
+            if entry is not None and entry.slot == s and entry.generation == gen and (
+                entry.state is _WRITING
+            ):
+                # This object's entry of the reservation: what commit changed, in place.
+                entry.state = _READY
+                entry.checksum = None if crc < 0 else crc
+                if dims is not None:
+                    entry.shape = dims
+                if dt is not None:
+                    entry.dtype = dt[0]
+            else:
+                entry = self._snapshot(s, key)
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise
@@ -963,31 +1020,58 @@ class SharedCatalog:
         of :meth:`lookup` then :meth:`pin`, between which another process could
         evict it).
         """
-        self._begin()  # the hot path: _end inlined below
+        if _forks[0] != self._forked:  # the hot path: _begin and _end inlined
+            self._identify()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
         w = self._w
         try:
-            s = self._slot_of(key)
-            b = self._sl + s * SLOT_WORDS
-            if s < 0 or w[b + S_STATE] != READY:
+            if w[H_DIRTY]:
+                self._recover()
+            entry = self._seen.get(key)
+            if entry is not None:  # seen READY: still the same reservation, still READY?
+                s = entry.slot
+                b = self._sl + s * SLOT_WORDS
+                if entry.state is not _READY or w[b + S_GEN] != entry.generation or (
+                    w[b + S_STATE] != READY
+                ):
+                    entry = None
+            if entry is None:  # ask the table
+                s = self._slot_of(key)
+                b = self._sl + s * SLOT_WORDS
+                if s >= 0 and w[b + S_STATE] == READY:
+                    entry = self._snapshot(s, key)
+            if entry is None:
                 w[H_MISSES] += 1
                 self.local.misses += 1
-                entry = None
             else:
                 w[H_HITS] += 1
                 self.local.hits += 1
                 tick = w[H_TICK] + 1
                 w[H_TICK] = tick
                 w[b + S_TICK] = tick
-                if w[H_LRU_TAIL] != s:
-                    self._lru_unlink(s)
-                    self._lru_append(s)
-                if pin:
-                    self._pin_slot(s, key)
-                entry = self._snapshot(s)
+                tail = w[H_LRU_TAIL]
+                if tail != s or pin:
+                    w[H_DIRTY] = self._pid
+                    if tail != s:  # to the LRU tail: s has a successor
+                        sl, prev, nxt = self._sl, w[b + S_PREV], w[b + S_NEXT]
+                        if prev >= 0:
+                            w[sl + prev * SLOT_WORDS + S_NEXT] = nxt
+                        else:
+                            w[H_LRU_HEAD] = nxt
+                        w[sl + nxt * SLOT_WORDS + S_PREV] = prev
+                        w[b + S_PREV] = tail
+                        w[b + S_NEXT] = -1
+                        w[sl + tail * SLOT_WORDS + S_NEXT] = s
+                        w[H_LRU_TAIL] = s
+                    if pin:
+                        self._pin_slot(s, key)
+                    w[H_DIRTY] = 0
+                entry.pins = w[b + S_PINS]
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise
-        w[H_DIRTY] = 0
         if _unlock(self._mx):
             self._unlock_failed()
         return entry
@@ -997,11 +1081,72 @@ class SharedCatalog:
 
         The pin belongs to this process: dropped if it dies before unpinning.
         """
-        return self.pin_many([key])[0]
+        if _forks[0] != self._forked:  # a hot path: _begin, _ready and _end inlined
+            self._identify()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
+        w = self._w
+        try:
+            if w[H_DIRTY]:
+                self._recover()
+            w[H_DIRTY] = self._pid
+            entry = self._seen.get(key)
+            if entry is not None:
+                s = entry.slot
+                b = self._sl + s * SLOT_WORDS
+                if entry.state is not _READY or w[b + S_GEN] != entry.generation or (
+                    w[b + S_STATE] != READY
+                ):
+                    entry = None
+            if entry is None:
+                s = self._expect(key, READY, "pin")
+                b = self._sl + s * SLOT_WORDS
+                entry = self._snapshot(s, key)
+            self._pin_slot(s, key)
+            entry.pins = w[b + S_PINS]
+        except BaseException as exc:
+            self._end(isinstance(exc, CatalogError))
+            raise
+        w[H_DIRTY] = 0
+        if _unlock(self._mx):
+            self._unlock_failed()
+        return entry
 
     def unpin(self, key: str) -> None:
         """Undo one :meth:`pin` of this process."""
-        self.unpin_many([key])
+        if _forks[0] != self._forked:  # a hot path: _begin, _ready and _end inlined
+            self._identify()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
+        w = self._w
+        try:
+            if w[H_DIRTY]:
+                self._recover()
+            w[H_DIRTY] = self._pid
+            entry = self._seen.get(key)
+            s = -1 if entry is None else entry.slot
+            b = self._sl + s * SLOT_WORDS
+            if s < 0 or w[b + S_GEN] != entry.generation or w[b + S_STATE] != READY:
+                s = self._expect(key, READY, "unpin")
+                b = self._sl + s * SLOT_WORDS
+            pn, pid, start = self._pn, self._pid, self._start
+            r = w[b + S_PIN_HEAD]
+            while r >= 0:  # this process's record (_my_pin, inlined)
+                p = pn + r * PIN_WORDS
+                if w[p + P_PID] == pid and w[p + P_START] == start:
+                    break
+                r = w[p + P_NEXT]
+            if r < 0:
+                raise self._not_pinned(key, s, 0)
+            self._unpin_slot(s, r)
+        except BaseException as exc:
+            self._end(isinstance(exc, CatalogError))
+            raise
+        w[H_DIRTY] = 0
+        if _unlock(self._mx):
+            self._unlock_failed()
 
     def pin_many(self, keys: list[str]) -> list[SharedEntry]:
         """:meth:`pin` every key under one lock: all of them, or none (and the error)."""
@@ -1012,11 +1157,11 @@ class SharedCatalog:
             for key, s in zip(keys, slots, strict=True):
                 self._pin_slot(s, key)
                 done.append(s)
-            entries = [self._snapshot(s) for s in slots]
+            entries = [self._snapshot(s, key) for key, s in zip(keys, slots, strict=True)]
         except BaseException as exc:
             if isinstance(exc, CatalogError):
                 for s in reversed(done):
-                    self._unpin_slot(s, "")
+                    self._unpin_slot(s, self._my_pin(s))
             self._end(isinstance(exc, CatalogError))
             raise
         self._end()
@@ -1033,26 +1178,29 @@ class SharedCatalog:
                 count = 0 if r < 0 else self._w[self._pn + r * PIN_WORDS + P_COUNT]
                 mine[s] = mine.get(s, 0) + 1
                 if mine[s] > count:
-                    others = self._w[self._sl + s * SLOT_WORDS + S_PINS] - count
-                    raise ItemStateError(
-                        f"unpin({key!r}): the item is not pinned"
-                        + (f" by this process (others hold {others} pin(s))" if others else "")
-                        + "; every unpin must match one pin"
-                    )
-            for key, s in zip(keys, slots, strict=True):
-                self._unpin_slot(s, key)
+                    raise self._not_pinned(key, s, count)
+            for s in slots:
+                self._unpin_slot(s, self._my_pin(s))
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise
         self._end()
 
     def _pin_slot(self, s: int, key: str) -> None:
+        """One more pin of READY slot ``s`` by this process (lock held, dirty set)."""
         w, b, pn = self._w, self._sl + s * SLOT_WORDS, self._pn
-        r = self._my_pin(s)
+        pid, start = self._pid, self._start
+        head = r = w[b + S_PIN_HEAD]
+        while r >= 0:  # this process's record, if it pins the item already
+            p = pn + r * PIN_WORDS
+            if w[p + P_PID] == pid and w[p + P_START] == start:
+                break
+            r = w[p + P_NEXT]
         if r < 0:
             r = w[H_PIN_FREE]
             if r < 0 and self._reap(force=True):
                 r = w[H_PIN_FREE]
+                head = w[b + S_PIN_HEAD]  # the reap unlinked dead processes' records
             if r < 0:
                 raise CatalogCapacityError(
                     f"pin({key!r}): all {self.layout.max_pins} pin records are in use; "
@@ -1061,28 +1209,45 @@ class SharedCatalog:
             p = pn + r * PIN_WORDS
             w[H_PIN_FREE] = w[p + P_NEXT]
             w[p + P_SLOT] = s
-            w[p + P_PID] = self._pid
-            w[p + P_START] = self._start
-            w[p + P_NEXT] = w[b + S_PIN_HEAD]
+            w[p + P_PID] = pid
+            w[p + P_START] = start
+            w[p + P_NEXT] = head
             w[b + S_PIN_HEAD] = r
-        p = pn + r * PIN_WORDS
-        _fault("pin:record")
+        if fault_hook is not None:
+            fault_hook("pin:record")
         w[p + P_COUNT] += 1
-        w[b + S_PINS] += 1
-        if w[b + S_PINS] == 1:
+        pins = w[b + S_PINS] + 1
+        w[b + S_PINS] = pins
+        if pins == 1:
             w[H_EVICTABLE] -= w[b + S_BLOCKS]
 
-    def _unpin_slot(self, s: int, key: str) -> None:
+    def _unpin_slot(self, s: int, r: int) -> None:
+        """Drop one pin of pin record ``r`` (this process's) of slot ``s``."""
         w, b = self._w, self._sl + s * SLOT_WORDS
-        r = self._my_pin(s)
         p = self._pn + r * PIN_WORDS
-        w[p + P_COUNT] -= 1
-        _fault("unpin:record")
-        w[b + S_PINS] -= 1
-        if w[p + P_COUNT] == 0:
-            self._unlink_pin(s, r)
-        if w[b + S_PINS] == 0:
+        count = w[p + P_COUNT] - 1
+        w[p + P_COUNT] = count
+        if fault_hook is not None:
+            fault_hook("unpin:record")
+        pins = w[b + S_PINS] - 1
+        w[b + S_PINS] = pins
+        if count == 0:
+            if w[b + S_PIN_HEAD] == r:  # the usual case: _unlink_pin without the walk
+                w[b + S_PIN_HEAD] = w[p + P_NEXT]
+                w[p + P_NEXT] = w[H_PIN_FREE]
+                w[H_PIN_FREE] = r
+            else:
+                self._unlink_pin(s, r)
+        if pins == 0:
             w[H_EVICTABLE] += w[b + S_BLOCKS]
+
+    def _not_pinned(self, key: str, s: int, mine: int) -> ItemStateError:
+        others = self._w[self._sl + s * SLOT_WORDS + S_PINS] - mine
+        return ItemStateError(
+            f"unpin({key!r}): the item is not pinned"
+            + (f" by this process (others hold {others} pin(s))" if others else "")
+            + "; every unpin must match one pin"
+        )
 
     def evict(self, key: str) -> None:
         """Drop a READY, unpinned item now."""
@@ -1273,7 +1438,8 @@ class SharedCatalog:
         w, b = self._w, self._sl + s * SLOT_WORDS
         state = w[b + S_STATE]
         w[b + S_STATE] = FREE  # the truth first: the rest is derived
-        _fault("drop:unpublished")
+        if fault_hook is not None:
+            fault_hook("drop:unpublished")
         h = w[b + S_HASH]
         bucket = self._bk + (h & self._hmask)
         prev, cur = -1, w[bucket]
@@ -1302,11 +1468,11 @@ class SharedCatalog:
             w[H_BYTES_EVICTED] += nbytes
 
     def _my_pin(self, s: int) -> int:
-        w, pn = self._w, self._pn
+        w, pn, pid, start = self._w, self._pn, self._pid, self._start
         r = w[self._sl + s * SLOT_WORDS + S_PIN_HEAD]
         while r >= 0:
             p = pn + r * PIN_WORDS
-            if w[p + P_PID] == self._pid and w[p + P_START] == self._start:
+            if w[p + P_PID] == pid and w[p + P_START] == start:
                 return r
             r = w[p + P_NEXT]
         return -1
@@ -1469,7 +1635,7 @@ class SharedCatalog:
         w[H_DIRTY] = self._pid
         n, mk = lay.num_blocks, self._mkey
         wm = w[H_READY_BLOCKS] = max(0, min(w[H_READY_BLOCKS], n))
-        self._desc.clear()
+        self._seen.clear()
         owner = np.full(n, -1, dtype=np.int64)
         alive: dict = {}
         ready: list[tuple[int, int]] = []
