@@ -317,3 +317,36 @@ def test_a_file_of_the_previous_format_is_refused_before_its_lock_is_touched(tmp
     c.close()
     with pytest.raises(ArenaLayoutMismatch, match="'catalog version' is 2, expected 3"):
         reopen(path)
+
+
+def test_a_child_forked_while_another_thread_holds_the_lock_waits_for_it(tmp_path, monkeypatch):
+    c = open_shared(tmp_path / "c", 8)
+    c.reserve("x", B)
+    inside, go = threading.Event(), threading.Event()
+
+    def hook(name):
+        if name == "commit:written":
+            inside.set()
+            assert go.wait(10)
+
+    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    committer = threading.Thread(target=c.commit, args=("x",))
+    committer.start()
+    assert inside.wait(10)  # the parent's other thread holds the lock, mid-update
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child: the owner is the parent's thread, not a copy
+        try:
+            got = c.lookup("x")  # waits for the parent's thread, then sees its commit
+            os.write(w, b"1" if got is not None and c._pid == os.getpid() else b"0")
+        finally:
+            os._exit(0)
+    time.sleep(0.5)
+    assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the child did not wait for the lock"
+    go.set()
+    committer.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1" and os.WEXITSTATUS(status) == 0
+    assert c.lock_deaths == 0
+    c.check()
+    c.close()
