@@ -458,7 +458,10 @@ class SharedCatalog:
                    path=arena.path, **layout)  # fmt: skip
 
     def close(self) -> None:
-        """Unmap the region and close the catalog's file description (idempotent)."""
+        """Unmap the region and close the catalog's file description (idempotent).
+
+        Not while another thread of this process is inside a call of this object:
+        the mutex it holds or waits for lives in the mapping."""
         if self._mm is None:
             return
         for view in ("_w", "_i", "_k"):
