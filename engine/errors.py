@@ -50,6 +50,12 @@ class ArenaLayoutMismatch(ArenaError):
         )
 
 
+class CatalogLockError(ArenaError):
+    """The shared catalog's lock cannot be taken: left unrecoverable, taken twice by
+    one thread, or not available from the C library. Not a :class:`CatalogError`:
+    it is no race with another process, and retrying does not help."""
+
+
 class CatalogError(ECOffloadError):
     """A catalog operation was asked of a key in the wrong state."""
 

@@ -11,12 +11,14 @@ every READY item.
 Layout of the region (little endian; ``layout()`` computes the offsets)::
 
     header      1 KiB: magic, version, sizes, dirty marker, recovery count, LRU
-                ends, free lists, counters, the ready watermark, the heads of 64
-                free-extent lists
+                ends, free lists, counters, the ready watermark, the count of
+                lock holders that died, at byte 256 the lock (a 64-byte slot) and
+                the boot it was initialised in, the heads of 64 free-extent lists
     buckets     hash table: one int64 slot index per bucket (power of two >= max_items)
-    slots       max_items x 32 int64: state, hash chain, LRU links, use tick,
-                nbytes, blocks, first extent, pins, first pin record, owner
-                (pid, start time), CRC-32, key hash/length, shape, dtype, generation
+    slots       max_items x 32 int64 (64-byte aligned): state, generation, LRU
+                links, use tick, pins, first pin record, blocks | hash chain, key
+                hash/length, nbytes, first extent, CRC-32, owner (pid, start
+                time) | shape, dtype
     keys        max_items x max_key_bytes: the UTF-8 key of each slot
     pins        max_pins x 5 int64: (slot, next, pid, start time, count), one per
                 pinned (item, process)
@@ -31,10 +33,24 @@ so a free coalesces with both neighbours in O(1)). ``meta_bytes`` is about
 per block: 73 MiB for an 8 GiB arena of 64 KiB blocks with the defaults
 (max_items = num_blocks, 256-byte keys), 0.9% of it; 21 MiB with max_items=32768.
 
-Concurrency: one Linux open-file-description lock (``F_OFD_SETLKW``) on the
-region's first byte, taken through a file description of the catalog's own
-(so two catalog objects in one process exclude each other too, and the
-kernel releases it when its holder dies) plus a thread lock.
+Concurrency: one process-shared, robust, error-checking pthread mutex in the
+header (glibc or musl, through ctypes) guards every operation. It is owned by
+a thread, so threads of one process, catalog objects of one process and
+processes all exclude each other with it alone. When its holder dies (process
+or thread), the kernel marks the mutex's futex word OWNER_DIED, and the next
+locker gets ``EOWNERDEAD``: it marks the mutex consistent at once (the data's
+own consistency is the ``dirty`` word's business, below), counts the death
+and goes on, recovering if ``dirty`` is set. A mutex unlocked while
+inconsistent would refuse every process forever (``ENOTRECOVERABLE``), so no
+path unlocks before ``pthread_mutex_consistent``; should a foreign process do
+it anyway, :class:`CatalogLockError` names the file and the remedy. The
+header records the boot (``/proc/sys/kernel/random/boot_id``) in which the
+mutex was initialised: a file that outlived a reboot (no process of that boot
+can hold it, but a futex word written before the crash may name a dead
+thread without OWNER_DIED) gets a fresh mutex at its first open. Opening
+(format, boot check) is serialised by an open-file-description lock on the
+region's first byte, held only inside the constructor. One pid namespace is
+assumed, as for the pid/start-time owners below.
 
 Crash consistency: the *slot table* is the truth; the hash table, LRU list,
 free lists, free-extent structure, per-slot pin lists and counters are derived.
@@ -63,10 +79,13 @@ Plain Python on purpose: no torch import; numpy only in recovery and ``check``.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import logging
 import mmap
 import os
+import platform
 import struct
 import threading
 import time
@@ -82,6 +101,7 @@ from .errors import (
     ArenaLayoutMismatch,
     CatalogCapacityError,
     CatalogError,
+    CatalogLockError,
     DuplicateItemError,
     InvalidSizeError,
     ItemStateError,
@@ -92,7 +112,8 @@ from .errors import (
 log = logging.getLogger(__name__)
 
 MAGIC = int.from_bytes(b"ECOCAT\x00\x01", "little")
-VERSION = 2  # 2: the ready watermark (word H_READY_BLOCKS)
+VERSION = 3  # 2: the ready watermark (word H_READY_BLOCKS); 3: the robust mutex, slot words
+# in cache-line order
 HEADER_BYTES = 1024
 SLOT_WORDS = 32
 PIN_WORDS = 5
@@ -105,26 +126,74 @@ DEFAULT_MAX_KEY_BYTES = 256
  H_MAX_PINS, H_BUCKETS, H_DIRTY, H_RECOVERIES, H_TICK, H_GEN, H_LRU_HEAD, H_LRU_TAIL,
  H_SLOT_FREE, H_PIN_FREE, H_FREE_BLOCKS, H_EVICTABLE, H_ITEMS, H_READY_ITEMS, H_READY_BYTES,
  H_MASK, H_HITS, H_MISSES, H_EVICTIONS, H_STORED, H_BYTES_STORED, H_BYTES_EVICTED,
- H_RESERVE_FAILURES, H_READY_BLOCKS) = range(31)  # fmt: skip
+ H_RESERVE_FAILURES, H_READY_BLOCKS, H_LOCK_DEATHS) = range(32)  # fmt: skip
+MUTEX_AT = 256  # byte offset of the mutex: a 64-byte slot, 64-byte aligned (words 32..39)
+MUTEX_SLOT = 64
+H_BOOT = 40  # two words: the boot id the mutex was initialised in
 H_CLASSES = 64  # 64 heads of the free-extent size-class lists
 NUM_CLASSES = 64
 
-# Slot words (state FREE, WRITING, READY).
-(S_STATE, S_HNEXT, S_PREV, S_NEXT, S_TICK, S_NBYTES, S_BLOCKS, S_EXT, S_NEXT_EXT_UNUSED,
- S_PINS, S_PIN_HEAD, S_PID, S_START, S_CRC, S_HASH, S_KLEN, S_NDIM) = range(17)  # fmt: skip
+# Slot words (state FREE, WRITING, READY), by cache line: what a hit, a pin and an
+# unpin read and write; what a key search and a reservation do; shape and dtype.
+(S_STATE, S_GEN, S_PREV, S_NEXT, S_TICK, S_PINS, S_PIN_HEAD, S_BLOCKS,
+ S_HNEXT, S_HASH, S_KLEN, S_NBYTES, S_EXT, S_CRC, S_PID, S_START, S_NDIM) = range(17)  # fmt: skip
 S_DIMS = 17  # MAX_DIMS words
 S_DTYPE = 25  # DTYPE_BYTES bytes
-S_GEN = 27
 FREE, WRITING, READY = 0, 1, 2
 _STATE = {WRITING: ItemState.WRITING, READY: ItemState.READY}
+_WRITING, _READY = ItemState.WRITING, ItemState.READY
+_DTYPES: dict[str, tuple[str, int, int]] = {}  # dtype name -> (name, its two slot words)
 
 P_SLOT, P_NEXT, P_PID, P_START, P_COUNT = range(PIN_WORDS)
 
-_LOCK_CMD = fcntl.F_OFD_SETLKW
-_UNLOCK_CMD = fcntl.F_OFD_SETLK
-
-_forks = [0]  # bumped in every forked child: a catalog object then reopens its lock
+_forks = [0]  # bumped in every forked child: a catalog object then learns its pid again
 os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
+# sizeof(pthread_mutex_t), which no run-time interface reports: glibc's per
+# machine (musl's is 40 on every 64-bit machine). Every one fits MUTEX_SLOT.
+_MUTEX_BYTES = {"x86_64": 40, "aarch64": 48, "ppc64le": 40, "s390x": 40, "riscv64": 40}
+assert max(_MUTEX_BYTES.values()) <= MUTEX_SLOT
+_PTHREAD_PROCESS_SHARED, _PTHREAD_MUTEX_ROBUST, _PTHREAD_MUTEX_ERRORCHECK = 1, 1, 2
+_FUTEX_TID_MASK = 0x3FFFFFFF  # the owner's thread id in a robust futex word (kernel ABI)
+_GLIBC = platform.libc_ver()[0] == "glibc"
+_WAIT_SLICE_S = 0.2  # a blocked locker returns to Python this often (signals, warnings)
+_WAIT_WARN_S = 10.0  # then every minute
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _pthread(lib_type):
+    """The pthread functions of the C library, called through ``lib_type``: PyDLL
+    (keeps the GIL: for calls that never block) or CDLL (releases it)."""
+    for name in (None, "libc.so.6", "libpthread.so.0"):
+        try:
+            lib = lib_type(name)
+            lib.pthread_mutex_consistent  # noqa: B018 - present since glibc 2.12
+        except (OSError, AttributeError):
+            continue
+        void_p = [ctypes.c_void_p]
+        # The hot pair, trylock and unlock, goes without argtypes (a tenth cheaper a
+        # call): every caller passes the mutex as a c_void_p.
+        for fn, args in (("pthread_mutex_consistent", void_p), ("pthread_mutex_init", void_p * 2),
+                         ("pthread_mutexattr_init", void_p),
+                         ("pthread_mutexattr_destroy", void_p),
+                         ("pthread_mutexattr_setpshared", [ctypes.c_void_p, ctypes.c_int]),
+                         ("pthread_mutexattr_setrobust", [ctypes.c_void_p, ctypes.c_int]),
+                         ("pthread_mutexattr_settype", [ctypes.c_void_p, ctypes.c_int]),
+                         ("pthread_mutex_timedlock",
+                          [ctypes.c_void_p, ctypes.POINTER(_Timespec)])):  # fmt: skip
+            getattr(lib, fn).argtypes = args
+            getattr(lib, fn).restype = ctypes.c_int
+        return lib
+    return None
+
+
+_PT = _pthread(ctypes.PyDLL)  # trylock, unlock, consistent, init: never block
+_PT_WAIT = _pthread(ctypes.CDLL)  # timedlock: blocks, so the GIL is released
+if _PT is not None:
+    _trylock, _unlock = _PT.pthread_mutex_trylock, _PT.pthread_mutex_unlock
 
 #: Tests set this to a callable that receives the name of each point inside a
 #: locked update (it may sleep or SIGKILL the process there).
@@ -132,6 +201,7 @@ fault_hook: Callable[[str], None] | None = None
 
 
 def _fault(point: str) -> None:
+    """A fault point (hot paths test ``fault_hook`` inline instead: a call costs)."""
     if fault_hook is not None:
         fault_hook(point)
 
@@ -210,6 +280,16 @@ def process_start_time(pid: int) -> int | None:
     except OSError:
         return None
     return int(line.rsplit(b")", 1)[1].split()[19])
+
+
+def _boot_id() -> tuple[int, int]:
+    """This boot's id (/proc/sys/kernel/random/boot_id) as two int64 words; (0, 0) if none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            raw = bytes.fromhex(f.read().strip().replace(b"-", b"").decode())
+    except (OSError, ValueError):
+        return (0, 0)
+    return struct.unpack("<qq", raw[:16].ljust(16, b"\0"))
 
 
 def _alive(pid: int, start: int, cache: dict | None = None) -> bool:
@@ -295,23 +375,31 @@ class SharedCatalog:
     ) -> None:
         if offset % mmap.PAGESIZE:
             raise InvalidSizeError(f"the region offset must be page aligned, got {offset}")
+        if _PT is None:
+            raise CatalogLockError(
+                "the C library offers no robust process-shared pthread mutex "
+                "(pthread_mutex_consistent): the shared catalog needs glibc or musl on Linux"
+            )
         self.path = path or f"fd {fd}"
         self._fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         self._region = (offset, size)
         self._mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, offset=offset)
         self._w = memoryview(self._mm).cast("q")
-        self._tlock = threading.Lock()
-        lk = struct.Struct("hhqqi4x")
-        self._lk = lk.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
-        self._ulk = lk.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0)
-        self._pid = -1
+        if size < HEADER_BYTES:
+            self.close()
+            raise InvalidSizeError(f"the catalog region must hold its {HEADER_BYTES}-byte "
+                                   f"header, got {size} bytes")  # fmt: skip
+        at = ctypes.c_char.from_buffer(self._mm, MUTEX_AT)
+        self._mx = ctypes.c_void_p(ctypes.addressof(at))  # valid while the map is
+        del at  # (a live export would keep the map from closing)
         self._identify()
-        self._desc: dict[int, SharedEntry] = {}  # slot -> this object's entry of it
-        self._slots: dict[str, tuple[int, int]] = {}  # key -> (slot, generation) seen
+        self._seen: dict[str, SharedEntry] = {}  # key -> this object's entry of it
         self._last_reap = 0.0
         self.local = CatalogStats()  # this object's own hits and misses
         wanted = (num_blocks, block_bytes, max_items, max_key_bytes, max_pins)
-        self._lock()
+        byte0 = struct.Struct("hhqqi4x")  # struct flock: the region's first byte
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW,
+                    byte0.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))  # fmt: skip
         try:
             if self._w[H_MAGIC] != MAGIC:
                 if num_blocks is None or block_bytes is None:
@@ -331,17 +419,29 @@ class SharedCatalog:
             for name, want, got in zip(names, wanted, found, strict=True):
                 if want is not None and want != got:
                     raise ArenaLayoutMismatch(self.path, f"catalog {name}", want, got)
-            if self._w[H_DIRTY]:
-                self._recover()
-            else:
-                self._w[H_DIRTY] = self._pid
-                self._reap(force=True)
-                self._w[H_DIRTY] = 0
+            boot = _boot_id()
+            if (self._w[H_BOOT], self._w[H_BOOT + 1]) != boot:
+                # Every process of this boot that used the mutex opened the file first
+                # (and recorded this boot): nobody holds it. Dirty, if set, stays set.
+                log.info("catalog %s: its lock is from another boot; initialising it afresh",
+                         self.path)  # fmt: skip
+                self._init_mutex()
+                self._w[H_BOOT], self._w[H_BOOT + 1] = boot
+            self._lock()
+            try:
+                if self._w[H_DIRTY]:
+                    self._recover()
+                else:
+                    self._w[H_DIRTY] = self._pid
+                    self._reap(force=True)
+                    self._w[H_DIRTY] = 0
+            finally:
+                self._unlock()
         except BaseException:
-            self._unlock()
             self.close()
             raise
-        self._unlock()
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK,
+                    byte0.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))  # fmt: skip
         self.allocator = _AllocatorView(self)
 
     @classmethod
@@ -358,15 +458,18 @@ class SharedCatalog:
                    path=arena.path, **layout)  # fmt: skip
 
     def close(self) -> None:
-        """Unmap the region and close the catalog's file description (idempotent)."""
+        """Unmap the region and close the catalog's file description (idempotent).
+
+        Not while another thread of this process is inside a call of this object:
+        the mutex it holds or waits for lives in the mapping."""
         if self._mm is None:
             return
         for view in ("_w", "_i", "_k"):
             v = self.__dict__.pop(view, None)
             if v is not None:
                 v.release()
-        for name in ("_fs", "_fe", "_fn", "_fp", "_ec", "_en"):
-            self.__dict__.pop(name, None)
+        for name in ("_fs", "_fe", "_fn", "_fp", "_ec", "_en", "_mx"):
+            self.__dict__.pop(name, None)  # a later call fails on the name, never the address
         self._mm.close()
         self._mm = None
         os.close(self._fd)
@@ -382,32 +485,121 @@ class SharedCatalog:
             self.close()
 
     def _identify(self) -> None:
-        pid = os.getpid()
+        """Who this process is (pid, start time), for dirty marks, pins and reservations:
+        at first use and again in a forked child (the mutex needs no new descriptor)."""
         self._forked = _forks[0]
-        if pid != self._pid:  # first use, or after a fork: a description of our own
-            if self._pid != -1:
-                old, self._fd = self._fd, os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR)
-                os.close(old)
-                self._tlock = threading.Lock()
-            self._pid, self._start = pid, process_start_time(pid) or 0
+        pid = os.getpid()
+        self._pid, self._start = pid, process_start_time(pid) or 0
 
     def _lock(self) -> None:
+        """Take the catalog's mutex for this thread (no recovery: see :meth:`_begin`)."""
         if _forks[0] != self._forked:
             self._identify()
-        self._tlock.acquire()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
+
+    def _lock_slow(self, rc: int) -> None:
+        """The mutex was held (EBUSY: wait for it) or its holder died (EOWNERDEAD: make
+        it consistent, count the death); anything else raises CatalogLockError."""
+        mx, t0 = self._mx, time.monotonic()
+        warn_at = t0 + _WAIT_WARN_S
         try:
-            fcntl.fcntl(self._fd, _LOCK_CMD, self._lk)
-        except BaseException:
-            self._tlock.release()
+            while rc == errno.EBUSY or rc == errno.ETIMEDOUT:
+                until = time.time() + _WAIT_SLICE_S
+                rc = _PT_WAIT.pthread_mutex_timedlock(
+                    mx, _Timespec(int(until), int(until % 1 * 1e9)))  # fmt: skip
+                if rc == errno.ETIMEDOUT and time.monotonic() >= warn_at:
+                    warn_at += 60
+                    log.warning(
+                        "catalog %s: waiting %.0f s for its lock; a process holds it without "
+                        "releasing it (stopped, or stuck inside an update?)",
+                        self.path, time.monotonic() - t0,
+                    )  # fmt: skip
+            if rc == errno.EOWNERDEAD:
+                # At once, before anything can raise: an unlock before this would make
+                # the mutex unrecoverable for every process. The data's state is
+                # dirty's business: the caller recovers if the holder died inside an update.
+                _PT.pthread_mutex_consistent(mx)
+                rc = 0
+                self._w[H_LOCK_DEATHS] += 1
+                log.warning(
+                    "catalog %s: its lock's holder (a process or thread) died holding it (%s); "
+                    "taken over", self.path,
+                    "inside an update: rebuilding" if self._w[H_DIRTY] else "no update pending",
+                )  # fmt: skip
+        except BaseException:  # rc is always the last call's: held if 0 or EOWNERDEAD
+            if rc == errno.EOWNERDEAD:
+                _PT.pthread_mutex_consistent(mx)
+            if rc == 0 or rc == errno.EOWNERDEAD:
+                _unlock(mx)
             raise
+        if rc == 0:
+            return
+        if rc == errno.ENOTRECOVERABLE:
+            # glibc's trylock returns this with the futex word still naming this thread
+            # (its CAS succeeded; the mutex is on no robust list): clear it, or every
+            # other locker would wait forever instead of hearing the same.
+            word = MUTEX_AT // 8  # glibc: int __lock, then int __count
+            if _GLIBC and self._w[word] & _FUTEX_TID_MASK == threading.get_native_id():
+                self._w[word] = 0
+            raise CatalogLockError(
+                f"catalog {self.path}: its lock is unrecoverable (a process released it after "
+                "its holder died without marking it consistent, which ecoffload never "
+                "does): stop every process using this arena, then remove the file (a "
+                "persistent arena: Arena.remove_shared) and start again"
+            )
+        if rc == errno.EDEADLK:
+            raise CatalogLockError(
+                f"catalog {self.path}: this thread already holds its lock (a catalog call "
+                "from inside another, e.g. from a fault hook or signal handler, or through "
+                "a second catalog object of the same file)"
+            )
+        raise CatalogLockError(
+            f"catalog {self.path}: pthread_mutex_timedlock failed with "
+            f"{errno.errorcode.get(rc, rc)}: {os.strerror(rc)}"
+        )
 
     def _unlock(self) -> None:
-        fcntl.fcntl(self._fd, _UNLOCK_CMD, self._ulk)
-        self._tlock.release()
+        if _unlock(self._mx):
+            self._unlock_failed()
 
-    def _begin(self) -> None:
-        """Lock for an update: recover first if the last updater died inside one."""
-        self._lock()
+    def _unlock_failed(self) -> None:
+        raise CatalogLockError(
+            f"catalog {self.path}: this thread released a lock it does not hold (a bug)"
+        )
+
+    def _init_mutex(self) -> None:
+        """(Re)initialise the mutex: process-shared, robust, error-checking (open lock held)."""
+        attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t: 4 or 8 bytes
+        pt, mx = _PT, self._mx
+        for what, call in (
+            ("mutexattr_init", lambda: pt.pthread_mutexattr_init(attr)),
+            ("mutexattr_setpshared",
+             lambda: pt.pthread_mutexattr_setpshared(attr, _PTHREAD_PROCESS_SHARED)),
+            ("mutexattr_setrobust",
+             lambda: pt.pthread_mutexattr_setrobust(attr, _PTHREAD_MUTEX_ROBUST)),
+            ("mutexattr_settype",
+             lambda: pt.pthread_mutexattr_settype(attr, _PTHREAD_MUTEX_ERRORCHECK)),
+            ("mutex_init", lambda: pt.pthread_mutex_init(mx, attr)),
+        ):  # fmt: skip
+            rc = call()
+            if rc:
+                raise CatalogLockError(
+                    f"catalog {self.path}: pthread_{what} failed with {os.strerror(rc)}: "
+                    "the shared catalog needs robust process-shared mutexes (Linux, glibc "
+                    "or musl)"
+                )
+        pt.pthread_mutexattr_destroy(attr)
+
+    def _begin(self) -> memoryview:
+        """Lock for an update (recover first if the last updater died inside one);
+        the header and slot words."""
+        if _forks[0] != self._forked:
+            self._identify()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
         w = self._w
         if w[H_DIRTY]:
             try:
@@ -416,6 +608,7 @@ class SharedCatalog:
                 self._unlock()
                 raise
         w[H_DIRTY] = self._pid
+        return w
 
     def _lock_clean(self) -> None:
         """Lock for reading: recover first if the last updater died inside an update."""
@@ -430,7 +623,8 @@ class SharedCatalog:
     def _end(self, clean: bool = True) -> None:
         if clean:
             self._w[H_DIRTY] = 0
-        self._unlock()
+        if _unlock(self._mx):
+            self._unlock_failed()
 
     def _format(self, lay: Layout, ready_blocks: int) -> None:
         w = memoryview(self._mm).cast("q")
@@ -444,6 +638,8 @@ class SharedCatalog:
                          (H_READY_BLOCKS, max(0, min(ready_blocks, lay.num_blocks)))):  # fmt: skip
                 w[i] = v
             w[H_DIRTY] = self._pid  # formatted by the recovery below
+            w[H_BOOT], w[H_BOOT + 1] = _boot_id()
+            self._init_mutex()
             w[H_MAGIC] = MAGIC
         finally:
             w.release()
@@ -481,8 +677,15 @@ class SharedCatalog:
         """How many times a locker found the catalog dirty and rebuilt it."""
         return self._w[H_RECOVERIES]
 
+    @property
+    def lock_deaths(self) -> int:
+        """How many times a locker took the lock over from a holder that had died."""
+        return self._w[H_LOCK_DEATHS]
+
     @staticmethod
     def _dims(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not shape:
+            return ()
         dims = tuple(int(d) for d in shape)
         if len(dims) > MAX_DIMS:
             raise CatalogCapacityError(
@@ -491,14 +694,21 @@ class SharedCatalog:
         return dims
 
     @staticmethod
-    def _dtype_bytes(dtype: str) -> bytes:
-        dt = str(dtype).encode()
-        if len(dt) > DTYPE_BYTES:
-            raise CatalogCapacityError(
-                f"dtype {dtype!r}: a dtype name of at most {DTYPE_BYTES} bytes fits a shared "
-                "catalog entry"
-            )
-        return dt.ljust(DTYPE_BYTES, b"\0")
+    def _dtype_words(dtype: object) -> tuple[str, int, int]:  # (name, word, word)
+        """The dtype's name and its two words in a slot (cached: a handful of dtypes)."""
+        name = dtype if type(dtype) is str else str(dtype)
+        got = _DTYPES.get(name)
+        if got is None:
+            dt = name.encode()
+            if len(dt) > DTYPE_BYTES:
+                raise CatalogCapacityError(
+                    f"dtype {dtype!r}: a dtype name of at most {DTYPE_BYTES} bytes fits a "
+                    "shared catalog entry"
+                )
+            if len(_DTYPES) >= 64:
+                _DTYPES.clear()
+            got = _DTYPES[name] = (name, *struct.unpack("<qq", dt.ljust(DTYPE_BYTES, b"\0")))
+        return got
 
     def _blocks_for(self, nbytes: int) -> int:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
@@ -527,55 +737,63 @@ class SharedCatalog:
         return -1
 
     def _slot_of(self, key: str) -> int:
-        """The slot holding ``key`` or -1; a slot seen before is confirmed by its generation
-        (unique per reservation), so a repeated key costs no hashing or key compare."""
+        """The slot holding ``key`` or -1. The entry of a key seen before names its slot
+        and generation (unique per reservation), so a repeated key costs no hashing or
+        key compare; a key found in the table is seen from then on."""
         w = self._w
-        seen = self._slots.get(key)
-        if seen is not None:
-            b = self._sl + seen[0] * SLOT_WORDS
-            if w[b + S_GEN] == seen[1] and w[b + S_STATE] != FREE:
-                return seen[0]
+        entry = self._seen.get(key)
+        if entry is not None:
+            b = self._sl + entry.slot * SLOT_WORDS
+            if w[b + S_GEN] == entry.generation and w[b + S_STATE] != FREE:
+                return entry.slot
         kb = key.encode()
         s = self._find(kb, zlib.crc32(kb))
         if s >= 0:
-            if len(self._slots) >= self.layout.max_items:
-                self._slots.clear()
-            self._slots[key] = (s, w[self._sl + s * SLOT_WORDS + S_GEN])
+            self._snapshot(s, key)
         return s
 
-    def _snapshot(self, s: int) -> SharedEntry:
-        """This object's entry of slot ``s``, refreshed (state, pins, CRC) on every call.
+    def _snapshot(self, s: int, key: str | None = None) -> SharedEntry:
+        """This object's entry of slot ``s`` (holding ``key``, if the caller knows it),
+        refreshed (state, pins, CRC) on every call.
 
         Like the in-process catalog's entries, it is one object per item that the
         catalog keeps up to date, so a hit costs no decoding.
         """
         w, b = self._w, self._sl + s * SLOT_WORDS
         gen = w[b + S_GEN]
-        entry = self._desc.get(s)
         state = w[b + S_STATE]
-        # Rebuilt when the slot was reused, or first seen READY (commit may set
-        # dtype and shape); a READY item never changes again.
-        if entry is None or entry.generation != gen or (
-            entry.state is ItemState.WRITING and state == READY
-        ):
+        if key is None:
+            mk = self._mkey
+            key = bytes(self._k[s * mk : s * mk + w[b + S_KLEN]]).decode()
+        entry = self._seen.get(key)
+        if entry is not None and (entry.slot != s or entry.generation != gen):
+            entry = None  # an earlier reservation of the key
+        if state == READY and entry is not None and entry.state is _READY:
+            entry.pins = w[b + S_PINS]  # nothing else of a READY item ever changes
+            return entry
+        # Rebuilt when new, or first seen READY (commit may set dtype and shape).
+        if entry is None or (entry.state is _WRITING and state == READY):
             i, en = self._i, self._en
             extents, e = [], w[b + S_EXT]
             while e >= 0:
                 extents.append(Extent(e, i[self._ec + e]))
                 e = i[en + e]
-            klen, mk = w[b + S_KLEN], self._mkey
-            key = bytes(self._k[s * mk : s * mk + klen]).decode()
             shape = tuple(w[b + S_DIMS : b + S_DIMS + w[b + S_NDIM]])
             dtype = bytes(self._w[b + S_DTYPE : b + S_DTYPE + 2].cast("B")).rstrip(b"\0").decode()
             producer = (w[b + S_PID], w[b + S_START])
             entry = SharedEntry(key, extents, w[b + S_NBYTES], dtype, shape, slot=s,
                                 generation=gen, producer=producer)  # fmt: skip
-            self._desc[s] = entry
+            self._remember(key, entry)
         crc = w[b + S_CRC]
         entry.state = _STATE[state]
         entry.pins = w[b + S_PINS]
         entry.checksum = None if crc < 0 else crc
         return entry
+
+    def _remember(self, key: str, entry: SharedEntry) -> None:
+        if len(self._seen) >= self.layout.max_items and key not in self._seen:
+            self._seen.clear()  # bounded: the keys of evicted items go too
+        self._seen[key] = entry
 
     def state(self, key: str) -> ItemState | None:
         """The state of ``key``, or None if the catalog does not hold it."""
@@ -590,7 +808,7 @@ class SharedCatalog:
         """A snapshot of the entry of ``key`` in any state (raises UnknownItemError)."""
         self._lock_clean()
         try:
-            return self._snapshot(self._expect(key, None, "entry"))
+            return self._snapshot(self._expect(key, None, "entry"), key)
         finally:
             self._unlock()
 
@@ -636,15 +854,14 @@ class SharedCatalog:
                 f"key {key[:40]!r}... is {len(kb)} bytes, this catalog holds keys of at most "
                 f"{self._mkey}: create the arena with a larger max_key_bytes"
             )
-        shape = self._dims(shape)
-        dt = self._dtype_bytes(dtype)
+        dims = self._dims(shape)
+        dt_name, dt0, dt1 = self._dtype_words(dtype)
         need = self._blocks_for(nbytes)
         h = zlib.crc32(kb)
-        self._begin()
+        w = self._begin()
         try:
-            w = self._w
-            if self._find(kb, h) >= 0:
-                s = self._find(kb, h)
+            s = self._find(kb, h)
+            if s >= 0:
                 raise DuplicateItemError(
                     f"key {key!r} is already in the catalog "
                     f"({_STATE[w[self._sl + s * SLOT_WORDS + S_STATE]].value}); "
@@ -658,33 +875,49 @@ class SharedCatalog:
             s = w[H_SLOT_FREE]
             b = self._sl + s * SLOT_WORDS
             w[H_SLOT_FREE] = w[b + S_HNEXT]
-            _fault("reserve:allocated")
+            if fault_hook is not None:
+                fault_hook("reserve:allocated")
             i, ec, en = self._i, self._ec, self._en
-            for j, (start, count) in enumerate(extents):
-                i[ec + start] = count
-                i[en + start] = extents[j + 1][0] if j + 1 < len(extents) else -1
+            last = len(extents) - 1
+            for j, (first, count) in enumerate(extents):
+                i[ec + first] = count
+                i[en + first] = extents[j + 1][0] if j < last else -1
             mk = self._mkey
             self._k[s * mk : s * mk + len(kb)] = kb
             gen = w[H_GEN] + 1
             w[H_GEN] = gen
-            for f, v in ((S_NBYTES, nbytes), (S_BLOCKS, need), (S_EXT, extents[0][0]),
-                         (S_PINS, 0), (S_PIN_HEAD, -1), (S_PID, self._pid),
-                         (S_START, self._start), (S_CRC, -1), (S_HASH, h), (S_KLEN, len(kb)),
-                         (S_NDIM, len(shape)), (S_GEN, gen), (S_PREV, -1),
-                         (S_NEXT, -1)):  # fmt: skip
-                w[b + f] = v
-            w[b + S_DIMS : b + S_DIMS + len(shape)] = memoryview(
-                struct.pack(f"<{len(shape)}q", *shape)
-            ).cast("q")
-            w[b + S_DTYPE : b + S_DTYPE + 2] = memoryview(dt).cast("q")
-            _fault("reserve:written")
+            pid, start = self._pid, self._start
+            w[b + S_NBYTES] = nbytes
+            w[b + S_BLOCKS] = need
+            w[b + S_EXT] = extents[0][0]
+            w[b + S_PINS] = 0
+            w[b + S_PIN_HEAD] = -1
+            w[b + S_PID] = pid
+            w[b + S_START] = start
+            w[b + S_CRC] = -1
+            w[b + S_HASH] = h
+            w[b + S_KLEN] = len(kb)
+            w[b + S_NDIM] = len(dims)
+            w[b + S_GEN] = gen
+            w[b + S_PREV] = -1
+            w[b + S_NEXT] = -1
+            for j, d in enumerate(dims):
+                w[b + S_DIMS + j] = d
+            w[b + S_DTYPE] = dt0
+            w[b + S_DTYPE + 1] = dt1
+            if fault_hook is not None:
+                fault_hook("reserve:written")
             w[b + S_STATE] = WRITING  # the slot exists from here on
-            _fault("reserve:published")
+            if fault_hook is not None:
+                fault_hook("reserve:published")
             bucket = self._bk + (h & self._hmask)
             w[b + S_HNEXT] = w[bucket]
             w[bucket] = s
             w[H_ITEMS] += 1
-            entry = self._snapshot(s)
+            # What _snapshot would decode, without decoding it.
+            entry = SharedEntry(key, extents, nbytes, dt_name, dims, slot=s, generation=gen,
+                                producer=(pid, start))  # fmt: skip
+            self._remember(key, entry)
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise
@@ -709,30 +942,34 @@ class SharedCatalog:
         writer knows them; the process that reserved may not have).
         """
         dims = self._dims(shape) if shape is not None else None
-        dt = self._dtype_bytes(dtype) if dtype is not None else None
-        self._begin()
+        dt = self._dtype_words(dtype) if dtype is not None else None
+        crc = -1 if checksum is None else checksum
+        w = self._begin()
         try:
             s = self._expect(key, WRITING, "commit")
-            w, b = self._w, self._sl + s * SLOT_WORDS
-            if generation is not None and w[b + S_GEN] != generation:
+            b = self._sl + s * SLOT_WORDS
+            gen = w[b + S_GEN]
+            if generation is not None and gen != generation:
                 raise ItemStateError(
                     f"commit({key!r}): reservation {generation} is gone (the key was "
-                    f"reserved again as {w[b + S_GEN]}); the bytes written may be stale"
+                    f"reserved again as {gen}); the bytes written may be stale"
                 )
             if dims is not None:
                 w[b + S_NDIM] = len(dims)
-                w[b + S_DIMS : b + S_DIMS + len(dims)] = memoryview(
-                    struct.pack(f"<{len(dims)}q", *dims)
-                ).cast("q")
+                for j, d in enumerate(dims):
+                    w[b + S_DIMS + j] = d
             if dt is not None:
-                w[b + S_DTYPE : b + S_DTYPE + 2] = memoryview(dt).cast("q")
-            w[b + S_CRC] = -1 if checksum is None else checksum
+                w[b + S_DTYPE] = dt[1]
+                w[b + S_DTYPE + 1] = dt[2]
+            w[b + S_CRC] = crc
             tick = w[H_TICK] + 1
             w[H_TICK] = tick
             w[b + S_TICK] = tick
-            _fault("commit:written")
+            if fault_hook is not None:
+                fault_hook("commit:written")
             w[b + S_STATE] = READY
-            _fault("commit:published")
+            if fault_hook is not None:
+                fault_hook("commit:published")
             self._lru_append(s)
             blocks, nbytes = w[b + S_BLOCKS], w[b + S_NBYTES]
             w[H_EVICTABLE] += blocks
@@ -740,7 +977,19 @@ class SharedCatalog:
             w[H_READY_BYTES] += nbytes
             w[H_STORED] += 1
             w[H_BYTES_STORED] += nbytes
-            entry = self._snapshot(s)
+            entry = self._seen.get(key)
+            if entry is not None and entry.slot == s and entry.generation == gen and (
+                entry.state is _WRITING
+            ):
+                # This object's entry of the reservation: what commit changed, in place.
+                entry.state = _READY
+                entry.checksum = None if crc < 0 else crc
+                if dims is not None:
+                    entry.shape = dims
+                if dt is not None:
+                    entry.dtype = dt[0]
+            else:
+                entry = self._snapshot(s, key)
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise
@@ -775,33 +1024,60 @@ class SharedCatalog:
         of :meth:`lookup` then :meth:`pin`, between which another process could
         evict it).
         """
-        self._begin()  # the hot path: _end inlined below
+        if _forks[0] != self._forked:  # the hot path: _begin and _end inlined
+            self._identify()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
         w = self._w
         try:
-            s = self._slot_of(key)
-            b = self._sl + s * SLOT_WORDS
-            if s < 0 or w[b + S_STATE] != READY:
+            if w[H_DIRTY]:
+                self._recover()
+            entry = self._seen.get(key)
+            if entry is not None:  # seen READY: still the same reservation, still READY?
+                s = entry.slot
+                b = self._sl + s * SLOT_WORDS
+                if entry.state is not _READY or w[b + S_GEN] != entry.generation or (
+                    w[b + S_STATE] != READY
+                ):
+                    entry = None
+            if entry is None:  # ask the table
+                s = self._slot_of(key)
+                b = self._sl + s * SLOT_WORDS
+                if s >= 0 and w[b + S_STATE] == READY:
+                    entry = self._snapshot(s, key)
+            if entry is None:
                 w[H_MISSES] += 1
                 self.local.misses += 1
-                entry = None
             else:
                 w[H_HITS] += 1
                 self.local.hits += 1
                 tick = w[H_TICK] + 1
                 w[H_TICK] = tick
                 w[b + S_TICK] = tick
-                if w[H_LRU_TAIL] != s:
-                    self._lru_unlink(s)
-                    self._lru_append(s)
-                if pin:
-                    self._pin_slot(s, key)
-                entry = self._snapshot(s)
+                tail = w[H_LRU_TAIL]
+                if tail != s or pin:
+                    w[H_DIRTY] = self._pid
+                    if tail != s:  # to the LRU tail: s has a successor
+                        sl, prev, nxt = self._sl, w[b + S_PREV], w[b + S_NEXT]
+                        if prev >= 0:
+                            w[sl + prev * SLOT_WORDS + S_NEXT] = nxt
+                        else:
+                            w[H_LRU_HEAD] = nxt
+                        w[sl + nxt * SLOT_WORDS + S_PREV] = prev
+                        w[b + S_PREV] = tail
+                        w[b + S_NEXT] = -1
+                        w[sl + tail * SLOT_WORDS + S_NEXT] = s
+                        w[H_LRU_TAIL] = s
+                    if pin:
+                        self._pin_slot(s, key)
+                    w[H_DIRTY] = 0
+                entry.pins = w[b + S_PINS]
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise
-        w[H_DIRTY] = 0
-        fcntl.fcntl(self._fd, _UNLOCK_CMD, self._ulk)
-        self._tlock.release()
+        if _unlock(self._mx):
+            self._unlock_failed()
         return entry
 
     def pin(self, key: str) -> SharedEntry:
@@ -809,11 +1085,71 @@ class SharedCatalog:
 
         The pin belongs to this process: dropped if it dies before unpinning.
         """
-        return self.pin_many([key])[0]
+        if _forks[0] != self._forked:  # a hot path: _begin, _ready and _end inlined
+            self._identify()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
+        w = self._w
+        try:
+            if w[H_DIRTY]:
+                self._recover()
+            w[H_DIRTY] = self._pid
+            entry = self._seen.get(key)
+            if entry is not None:
+                s = entry.slot
+                b = self._sl + s * SLOT_WORDS
+                if entry.state is not _READY or w[b + S_GEN] != entry.generation or (
+                    w[b + S_STATE] != READY
+                ):
+                    entry = None
+            if entry is None:
+                s = self._expect(key, READY, "pin")
+                b = self._sl + s * SLOT_WORDS
+                entry = self._snapshot(s, key)
+            entry.pins = self._pin_slot(s, key)
+        except BaseException as exc:
+            self._end(isinstance(exc, CatalogError))
+            raise
+        w[H_DIRTY] = 0
+        if _unlock(self._mx):
+            self._unlock_failed()
+        return entry
 
     def unpin(self, key: str) -> None:
         """Undo one :meth:`pin` of this process."""
-        self.unpin_many([key])
+        if _forks[0] != self._forked:  # a hot path: _begin, _ready and _end inlined
+            self._identify()
+        rc = _trylock(self._mx)
+        if rc:
+            self._lock_slow(rc)
+        w = self._w
+        try:
+            if w[H_DIRTY]:
+                self._recover()
+            w[H_DIRTY] = self._pid
+            entry = self._seen.get(key)
+            s = -1 if entry is None else entry.slot
+            b = self._sl + s * SLOT_WORDS
+            if s < 0 or w[b + S_GEN] != entry.generation or w[b + S_STATE] != READY:
+                s = self._expect(key, READY, "unpin")
+                b = self._sl + s * SLOT_WORDS
+            pn, pid, start = self._pn, self._pid, self._start
+            r = w[b + S_PIN_HEAD]
+            while r >= 0:  # this process's record (_my_pin, inlined)
+                p = pn + r * PIN_WORDS
+                if w[p + P_PID] == pid and w[p + P_START] == start:
+                    break
+                r = w[p + P_NEXT]
+            if r < 0:
+                raise self._not_pinned(key, s, 0)
+            self._unpin_slot(s, r)
+        except BaseException as exc:
+            self._end(isinstance(exc, CatalogError))
+            raise
+        w[H_DIRTY] = 0
+        if _unlock(self._mx):
+            self._unlock_failed()
 
     def pin_many(self, keys: list[str]) -> list[SharedEntry]:
         """:meth:`pin` every key under one lock: all of them, or none (and the error)."""
@@ -824,11 +1160,11 @@ class SharedCatalog:
             for key, s in zip(keys, slots, strict=True):
                 self._pin_slot(s, key)
                 done.append(s)
-            entries = [self._snapshot(s) for s in slots]
+            entries = [self._snapshot(s, key) for key, s in zip(keys, slots, strict=True)]
         except BaseException as exc:
             if isinstance(exc, CatalogError):
                 for s in reversed(done):
-                    self._unpin_slot(s, "")
+                    self._unpin_slot(s, self._my_pin(s))
             self._end(isinstance(exc, CatalogError))
             raise
         self._end()
@@ -845,26 +1181,30 @@ class SharedCatalog:
                 count = 0 if r < 0 else self._w[self._pn + r * PIN_WORDS + P_COUNT]
                 mine[s] = mine.get(s, 0) + 1
                 if mine[s] > count:
-                    others = self._w[self._sl + s * SLOT_WORDS + S_PINS] - count
-                    raise ItemStateError(
-                        f"unpin({key!r}): the item is not pinned"
-                        + (f" by this process (others hold {others} pin(s))" if others else "")
-                        + "; every unpin must match one pin"
-                    )
-            for key, s in zip(keys, slots, strict=True):
-                self._unpin_slot(s, key)
+                    raise self._not_pinned(key, s, count)
+            for s in slots:
+                self._unpin_slot(s, self._my_pin(s))
         except BaseException as exc:
             self._end(isinstance(exc, CatalogError))
             raise
         self._end()
 
-    def _pin_slot(self, s: int, key: str) -> None:
+    def _pin_slot(self, s: int, key: str) -> int:
+        """One more pin of READY slot ``s`` by this process (lock held, dirty set); the
+        item's pins now."""
         w, b, pn = self._w, self._sl + s * SLOT_WORDS, self._pn
-        r = self._my_pin(s)
+        pid, start = self._pid, self._start
+        head = r = w[b + S_PIN_HEAD]
+        while r >= 0:  # this process's record, if it pins the item already
+            p = pn + r * PIN_WORDS
+            if w[p + P_PID] == pid and w[p + P_START] == start:
+                break
+            r = w[p + P_NEXT]
         if r < 0:
             r = w[H_PIN_FREE]
             if r < 0 and self._reap(force=True):
                 r = w[H_PIN_FREE]
+                head = w[b + S_PIN_HEAD]  # the reap unlinked dead processes' records
             if r < 0:
                 raise CatalogCapacityError(
                     f"pin({key!r}): all {self.layout.max_pins} pin records are in use; "
@@ -873,28 +1213,50 @@ class SharedCatalog:
             p = pn + r * PIN_WORDS
             w[H_PIN_FREE] = w[p + P_NEXT]
             w[p + P_SLOT] = s
-            w[p + P_PID] = self._pid
-            w[p + P_START] = self._start
-            w[p + P_NEXT] = w[b + S_PIN_HEAD]
+            w[p + P_PID] = pid
+            w[p + P_START] = start
+            w[p + P_NEXT] = head
             w[b + S_PIN_HEAD] = r
-        p = pn + r * PIN_WORDS
-        _fault("pin:record")
-        w[p + P_COUNT] += 1
-        w[b + S_PINS] += 1
-        if w[b + S_PINS] == 1:
+            if fault_hook is not None:
+                fault_hook("pin:record")
+            w[p + P_COUNT] = 1  # a free record's count is 0
+        else:
+            if fault_hook is not None:
+                fault_hook("pin:record")
+            w[p + P_COUNT] += 1
+        pins = w[b + S_PINS] + 1
+        w[b + S_PINS] = pins
+        if pins == 1:
             w[H_EVICTABLE] -= w[b + S_BLOCKS]
+        return pins
 
-    def _unpin_slot(self, s: int, key: str) -> None:
+    def _unpin_slot(self, s: int, r: int) -> None:
+        """Drop one pin of pin record ``r`` (this process's) of slot ``s``."""
         w, b = self._w, self._sl + s * SLOT_WORDS
-        r = self._my_pin(s)
         p = self._pn + r * PIN_WORDS
-        w[p + P_COUNT] -= 1
-        _fault("unpin:record")
-        w[b + S_PINS] -= 1
-        if w[p + P_COUNT] == 0:
-            self._unlink_pin(s, r)
-        if w[b + S_PINS] == 0:
+        count = w[p + P_COUNT] - 1
+        w[p + P_COUNT] = count
+        if fault_hook is not None:
+            fault_hook("unpin:record")
+        pins = w[b + S_PINS] - 1
+        w[b + S_PINS] = pins
+        if count == 0:
+            if w[b + S_PIN_HEAD] == r:  # the usual case: _unlink_pin without the walk
+                w[b + S_PIN_HEAD] = w[p + P_NEXT]
+                w[p + P_NEXT] = w[H_PIN_FREE]
+                w[H_PIN_FREE] = r
+            else:
+                self._unlink_pin(s, r)
+        if pins == 0:
             w[H_EVICTABLE] += w[b + S_BLOCKS]
+
+    def _not_pinned(self, key: str, s: int, mine: int) -> ItemStateError:
+        others = self._w[self._sl + s * SLOT_WORDS + S_PINS] - mine
+        return ItemStateError(
+            f"unpin({key!r}): the item is not pinned"
+            + (f" by this process (others hold {others} pin(s))" if others else "")
+            + "; every unpin must match one pin"
+        )
 
     def evict(self, key: str) -> None:
         """Drop a READY, unpinned item now."""
@@ -1085,7 +1447,8 @@ class SharedCatalog:
         w, b = self._w, self._sl + s * SLOT_WORDS
         state = w[b + S_STATE]
         w[b + S_STATE] = FREE  # the truth first: the rest is derived
-        _fault("drop:unpublished")
+        if fault_hook is not None:
+            fault_hook("drop:unpublished")
         h = w[b + S_HASH]
         bucket = self._bk + (h & self._hmask)
         prev, cur = -1, w[bucket]
@@ -1114,11 +1477,11 @@ class SharedCatalog:
             w[H_BYTES_EVICTED] += nbytes
 
     def _my_pin(self, s: int) -> int:
-        w, pn = self._w, self._pn
+        w, pn, pid, start = self._w, self._pn, self._pid, self._start
         r = w[self._sl + s * SLOT_WORDS + S_PIN_HEAD]
         while r >= 0:
             p = pn + r * PIN_WORDS
-            if w[p + P_PID] == self._pid and w[p + P_START] == self._start:
+            if w[p + P_PID] == pid and w[p + P_START] == start:
                 return r
             r = w[p + P_NEXT]
         return -1
@@ -1281,7 +1644,7 @@ class SharedCatalog:
         w[H_DIRTY] = self._pid
         n, mk = lay.num_blocks, self._mkey
         wm = w[H_READY_BLOCKS] = max(0, min(w[H_READY_BLOCKS], n))
-        self._desc.clear()
+        self._seen.clear()
         owner = np.full(n, -1, dtype=np.int64)
         alive: dict = {}
         ready: list[tuple[int, int]] = []
@@ -1475,3 +1838,9 @@ class SharedCatalog:
             cnt += 1
             s = w[sl + s * SLOT_WORDS + S_HNEXT]
         assert cnt == lay.max_items - items
+        free_pins, r = 0, w[H_PIN_FREE]
+        while r >= 0:  # a pin takes a free record's count as 0
+            assert w[pn + r * PIN_WORDS + P_COUNT] == 0, f"free pin record {r} has a count"
+            free_pins += 1
+            assert free_pins <= lay.max_pins, "pin free list has a cycle"
+            r = w[pn + r * PIN_WORDS + P_NEXT]

@@ -149,12 +149,12 @@ def shared_vs_local(resident: int, sample: int = 20000) -> list[tuple[str, float
             )
             rows.setdefault("lookup (miss)", []).append(per_op(cat.lookup, keys[-sample:]))
             if cat is shared:  # the floor of every shared operation: the kernel's lock
-                rows.setdefault("lock+unlock only (thread lock / OFD lock)", []).append(
+                rows.setdefault("lock+unlock only (thread lock / shared lock)", []).append(
                     per_op(lambda _: (shared._lock(), shared._unlock()), hits)
                 )
             else:
                 tlock = threading.Lock()
-                rows.setdefault("lock+unlock only (thread lock / OFD lock)", []).append(
+                rows.setdefault("lock+unlock only (thread lock / shared lock)", []).append(
                     per_op(lambda _, tlock=tlock: (tlock.acquire(), tlock.release()), hits)
                 )
             assert cat.stats().items_resident == resident

@@ -199,7 +199,7 @@ def test_dead_process_reservations_and_pins_are_released(tmp_path):
     c.close()
 
 
-def test_a_fork_gets_a_lock_of_its_own(tmp_path):
+def test_a_forked_child_uses_an_inherited_catalog_as_itself(tmp_path):
     c = open_shared(tmp_path / "c", 8)
     c.reserve("x", B)
     r, w = os.pipe()
@@ -449,3 +449,33 @@ def test_abort_names_its_reservation_like_commit(tmp_path):
     assert a.state("x") is None
     a.check()
     a.close()
+
+
+@pytest.mark.parametrize("committer", ["reserver", "other"])
+def test_entries_kept_by_an_object_equal_the_ones_another_decodes(tmp_path, committer):
+    a = open_shared(tmp_path / "c", 16)
+    b = reopen(tmp_path / "c")
+    a.reserve("pad", 2 * B)  # so the item's extents do not start at 0
+    made = a.reserve("x", 3 * B + 5, "float16", (3, 7, 1))
+    assert made == b.entry("x")  # built from what reserve wrote, not decoded
+    c = a if committer == "reserver" else b
+    got = c.commit("x", checksum=99, generation=made.generation, dtype="bfloat16",
+                   shape=(6, 7))  # fmt: skip
+    for cat in (a, b):
+        seen = cat.lookup("x")
+        assert seen.state is ItemState.READY and (seen.dtype, seen.shape) == ("bfloat16", (6, 7))
+        assert (seen.checksum, seen.blocks, seen.nbytes, seen.generation) == (
+            99, 4, 3 * B + 5, made.generation)  # fmt: skip
+    assert got == a.entry("x") == b.entry("x")
+    # One object per item and object: updated in place by its own commit, rebuilt when
+    # first seen READY after another's (which may have changed dtype and shape).
+    assert (made is a.entry("x")) == (committer == "reserver")
+    a.pin("x")
+    assert b.entry("x").pins == 1 and a.lookup("x").pins == 1
+    a.unpin("x")
+    b.evict("x")
+    again = b.reserve("x", B)  # a new reservation of the key: a's old entry is not reused
+    assert a.entry("x") == again and a.entry("x") is not made and a.lookup("x") is None
+    a.check()
+    a.close()
+    b.close()

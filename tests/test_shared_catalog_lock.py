@@ -1,0 +1,352 @@
+"""The shared catalog's lock: a robust, process-shared pthread mutex in its header.
+
+A holder that dies while holding it (SIGKILL, inside an update or outside one)
+hands it to the next locker with EOWNERDEAD: that locker makes it consistent,
+counts the death and recovers if the holder was inside an update. Threads of
+one process exclude each other with it. A persistent arena whose holder died
+holding it is warm started; a failed recovery still leaves it usable; a
+mutex left unrecoverable by someone else, or taken twice by one thread, raises
+:class:`CatalogLockError` instead of hanging; a file from another boot gets a
+fresh mutex.
+"""
+
+import ctypes
+import multiprocessing as mp
+import os
+import platform
+import signal
+import threading
+import time
+import zlib
+
+import pytest
+from test_catalog import B, open_shared
+from test_shared_catalog import reopen
+
+from ecoffload.engine import shared_catalog
+from ecoffload.engine.arena import Arena
+from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogLockError
+from ecoffload.engine.shared_catalog import H_BOOT, MUTEX_AT, SharedCatalog
+
+UPDATE_POINTS = ["reserve:written", "commit:published", "pin:record", "unpin:record",
+                 "drop:unpublished"]  # fmt: skip
+
+
+def _child_script(c):
+    """What the child does (passing every point of UPDATE_POINTS), after its setup."""
+    c.reserve("c", 2 * B)
+    c.commit("c")
+    c.pin("c")
+    c.unpin("c")
+    c.evict("c")
+
+
+def kill_while_holding(path, point):
+    """Fork a child that opens the catalog, reserves "w" and pins "a" (both its own),
+    then is SIGKILLed by this process while it holds the lock: at ``point`` inside
+    an update, or ("holding") right after taking the lock outside any update."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            c = reopen(path)
+            c.reserve("w", B)
+            c.pin("a")
+
+            def hook(name):
+                if name == point:
+                    os.write(w, b"x")
+                    time.sleep(60)
+
+            shared_catalog.fault_hook = hook
+            if point == "holding":
+                c._lock()
+                os.write(w, b"x")
+                time.sleep(60)
+            _child_script(c)
+        finally:
+            os._exit(3)
+    os.close(w)
+    assert os.read(r, 1) == b"x", "the child never reached the point"
+    os.close(r)
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def _setup(path):
+    c = open_shared(path, 8)
+    for k in "ab":
+        c.reserve(k, 2 * B)
+        c.commit(k)
+    c.pin("b")
+    return c
+
+
+@pytest.mark.parametrize("point", [*UPDATE_POINTS, "holding"])
+def test_a_holder_killed_holding_the_lock_is_taken_over_by_the_next_locker(tmp_path, point):
+    path = tmp_path / "c"
+    c = _setup(path)
+    recoveries = c.recoveries
+    kill_while_holding(path, point)
+    assert c.state("a") is ItemState.READY  # the next locker: EOWNERDEAD, taken over
+    assert c.lock_deaths == 1
+    inside = point != "holding"
+    assert c.recoveries == recoveries + inside  # rebuilt only if it died inside an update
+    other = reopen(path)  # a new process would: reaps the dead child's reservation and pin
+    other.check()
+    assert (other.state("w"), other.entry("a").pins, other.entry("b").pins) == (None, 0, 1)
+    assert other.state("c") in (None, ItemState.READY)
+    if other.state("c") is not None:  # published before the kill: kept, unpinned
+        assert other.entry("c").pins == 0
+        other.evict("c")
+    assert other.lock_deaths == 1  # consistent again: nobody else sees the death
+    e = other.reserve("d", 4 * B)  # every block not pinned is usable
+    other.commit("d", generation=e.generation)
+    c.unpin("b")
+    other.check()
+    c.close()
+    other.close()
+
+
+def test_a_killed_holder_blocks_a_waiter_until_its_death_then_hands_over(tmp_path):
+    path = tmp_path / "c"
+    c = _setup(path)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            child = reopen(path)
+            child._lock()
+            os.write(w, b"x")
+            time.sleep(60)
+        finally:
+            os._exit(3)
+    assert os.read(r, 1) == b"x"
+    got = []
+    t = threading.Thread(target=lambda: got.append(c.lookup("a")))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and not got, "the lookup did not wait for the holder"
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    t.join(10)
+    assert not t.is_alive() and got[0].key == "a" and c.lock_deaths == 1
+    c.check()
+    c.close()
+
+
+def test_a_thread_waits_for_another_threads_update(tmp_path, monkeypatch):
+    c = open_shared(tmp_path / "c", 8)
+    c.reserve("x", B)
+    inside, go = threading.Event(), threading.Event()
+
+    def hook(name):
+        if name == "commit:written" and threading.current_thread() is committer:
+            inside.set()
+            assert go.wait(10)
+
+    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    committer = threading.Thread(target=c.commit, args=("x",))
+    committer.start()
+    assert inside.wait(10)  # the committer holds the lock, halfway through its update
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(c.lookup("x")))  # the same object
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and not seen, "a thread entered during another's update"
+    go.set()
+    committer.join(10)
+    reader.join(10)
+    assert seen[0] is not None and seen[0].state is ItemState.READY  # after the commit
+    assert c.lock_deaths == 0 and c.recoveries == 1  # the format's only
+    c.check()
+    c.close()
+
+
+def test_a_failed_recovery_still_leaves_the_lock_usable(tmp_path, monkeypatch):
+    path = tmp_path / "c"
+    c = _setup(path)
+    c.close()
+    kill_while_holding(path, "commit:published")
+
+    def hook(name):
+        if name == "recover:slots":
+            raise RuntimeError("recovery failed")
+
+    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    with pytest.raises(RuntimeError, match="recovery failed"):
+        reopen(path)  # took the lock over (EOWNERDEAD), then the rebuild failed
+    monkeypatch.setattr(shared_catalog, "fault_hook", None)
+    other = reopen(path)  # not ENOTRECOVERABLE: marked consistent before the unlock
+    assert other.lock_deaths == 1  # the death was seen once; the catalog stayed dirty
+    other.check()
+    assert other.state("c") is ItemState.READY and other.state("w") is None
+    assert (other.entry("a").pins, other.entry("b").pins) == (0, 1)  # the child's pin dropped
+    other.close()
+
+
+def test_an_unrecoverable_lock_names_the_file_and_the_remedy(tmp_path):
+    path = tmp_path / "c"
+    c = _setup(path)
+    kill_while_holding(path, "holding")
+    pt = shared_catalog._PT  # what a foreign process could do: unlock without consistent
+    assert pt.pthread_mutex_trylock(c._mx) == shared_catalog.errno.EOWNERDEAD
+    assert pt.pthread_mutex_unlock(c._mx) == 0
+    with pytest.raises(CatalogLockError, match=rf"{path}.*unrecoverable.*remove the file"):
+        c.lookup("a")
+    with pytest.raises(CatalogLockError, match="unrecoverable"):
+        reopen(path)  # the same thread again: told the same
+    got = []
+
+    def other_thread():
+        try:
+            c.lookup("a")
+        except CatalogLockError as exc:
+            got.append(str(exc))
+
+    t = threading.Thread(target=other_thread, daemon=True)
+    t.start()
+    t.join(10)
+    assert got and "unrecoverable" in got[0], "another thread waited instead of being told"
+    c.close()
+
+
+def test_a_catalog_call_inside_another_raises_instead_of_hanging(tmp_path, monkeypatch):
+    c = open_shared(tmp_path / "c", 8)
+
+    def hook(name):
+        if name == "reserve:written":
+            c.lookup("x")  # the same thread, the lock held
+
+    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    with pytest.raises(CatalogLockError, match="already holds its lock"):
+        c.reserve("x", B)
+    monkeypatch.setattr(shared_catalog, "fault_hook", None)
+    assert c.state("x") is None and c.recoveries == 2  # left dirty, rebuilt by the next
+    c.check()
+    c.close()
+
+
+def _nobody_tid() -> int:
+    tid = 4_000_000
+    while os.path.exists(f"/proc/{tid}"):
+        tid -= 1
+    return tid
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="writes glibc's futex word")
+def test_a_file_from_another_boot_gets_a_fresh_lock(tmp_path):
+    path = tmp_path / "c"
+    c = _setup(path)
+    c.unpin("b")
+    # As after a crash of the whole machine: the futex word names a thread of the old
+    # boot, without OWNER_DIED (the kernel never got to mark it).
+    c._w[MUTEX_AT // 8] = _nobody_tid()
+    c._w[H_BOOT] ^= 1
+    c.close()
+    got = []
+    t = threading.Thread(target=lambda: got.append(reopen(path)), daemon=True)
+    t.start()
+    t.join(20)
+    assert got, "opening waited for a lock held by a thread of another boot"
+    other = got[0]
+    assert other._w[H_BOOT : H_BOOT + 2].tolist() == list(shared_catalog._boot_id())
+    assert other.state("a") is ItemState.READY and other.lock_deaths == 0
+    other.check()
+    other.close()
+
+
+def _arena_holder_dies_in_commit(arena_dir, meta):
+    def hook(name):
+        if name == "commit:written":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with Arena.open_shared("p", block_bytes=B, num_blocks=16, directory=arena_dir,
+                           register_cuda="never", meta_bytes=meta, persistent=True) as arena:
+        cat = SharedCatalog.for_arena(arena, max_items=8)  # fmt: skip
+        e = cat.reserve("kept", 3 * B)
+        arena.host[e.extents[0].start * B : (e.extents[0].start + 3) * B] = 7
+        cat.commit("kept", zlib.crc32(bytes([7]) * 3 * B))
+        cat.reserve("lost", 2 * B)
+        shared_catalog.fault_hook = hook
+        cat.commit("lost")  # killed inside the update, holding the lock
+
+
+def test_a_persistent_arena_whose_holder_died_holding_the_lock_is_warm_started(arena_dir):
+    meta = shared_catalog.meta_bytes(16, B, max_items=8)
+    p = mp.get_context("spawn").Process(target=_arena_holder_dies_in_commit,
+                                        args=(arena_dir, meta))  # fmt: skip
+    p.start()
+    p.join(120)
+    assert p.exitcode == -signal.SIGKILL
+    seen = []
+
+    def verify(arena):  # the warm start: nobody else can open the file meanwhile
+        with SharedCatalog.for_arena(arena, max_items=8) as cat:
+            dropped = cat.verify(arena.host.numpy())
+            seen.append((cat.lock_deaths, cat.recoveries, dropped))
+
+    with Arena.open_shared("p", block_bytes=B, num_blocks=16, directory=arena_dir,
+                           register_cuda="never", meta_bytes=meta, persistent=True,
+                           on_warm_start=verify) as arena:  # fmt: skip
+        assert arena.warm_started
+        deaths, recoveries, dropped = seen[0]
+        assert deaths == 1 and recoveries == 3 and dropped == 0  # format, EOWNERDEAD, verify
+        with SharedCatalog.for_arena(arena) as cat:
+            assert cat.state("kept") is ItemState.READY and cat.state("lost") is None
+            assert cat.stats().free_blocks == 13
+            cat.check()
+    assert Arena.remove_shared("p", directory=arena_dir)
+
+
+def test_the_mutex_slot_holds_a_pthread_mutex():
+    # ctypes cannot tell sizeof(pthread_mutex_t); the table must cover this machine.
+    size = shared_catalog._MUTEX_BYTES.get(platform.machine())
+    assert size is not None and size <= shared_catalog.MUTEX_SLOT
+    assert MUTEX_AT % 64 == 0 and MUTEX_AT + shared_catalog.MUTEX_SLOT <= H_BOOT * 8
+    assert ctypes.sizeof(ctypes.c_void_p) == 8
+
+
+def test_a_file_of_the_previous_format_is_refused_before_its_lock_is_touched(tmp_path):
+    path = tmp_path / "c"
+    c = open_shared(path, 8)
+    c._w[shared_catalog.H_VERSION] = 2  # as a catalog of the fcntl-locked format leaves it
+    c._w[MUTEX_AT // 8 : MUTEX_AT // 8 + 8] = memoryview(bytes(64)).cast("q")  # no mutex
+    c.close()
+    with pytest.raises(ArenaLayoutMismatch, match="'catalog version' is 2, expected 3"):
+        reopen(path)
+
+
+def test_a_child_forked_while_another_thread_holds_the_lock_waits_for_it(tmp_path, monkeypatch):
+    c = open_shared(tmp_path / "c", 8)
+    c.reserve("x", B)
+    inside, go = threading.Event(), threading.Event()
+
+    def hook(name):
+        if name == "commit:written":
+            inside.set()
+            assert go.wait(10)
+
+    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    committer = threading.Thread(target=c.commit, args=("x",))
+    committer.start()
+    assert inside.wait(10)  # the parent's other thread holds the lock, mid-update
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child: the owner is the parent's thread, not a copy
+        try:
+            got = c.lookup("x")  # waits for the parent's thread, then sees its commit
+            os.write(w, b"1" if got is not None and c._pid == os.getpid() else b"0")
+        finally:
+            os._exit(0)
+    time.sleep(0.5)
+    assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the child did not wait for the lock"
+    go.set()
+    committer.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1" and os.WEXITSTATUS(status) == 0
+    assert c.lock_deaths == 0
+    c.check()
+    c.close()
