@@ -141,6 +141,23 @@ def test_a_request_s_items_are_pulled_in_one_read_and_load_bit_exactly(hosts):
 
 
 @needs_nixl
+def test_a_request_that_finishes_while_its_pull_runs_leaves_no_pull_state(hosts):
+    """The client went away mid-pull: the pull runs to its end alone, then is forgotten."""
+    (psched, pworker), (csched, _) = hosts()
+    _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
+    request = consumer_request("c1", [("img", 5, 1)], params)
+    assert csched.ensure_cache_available(request, 0) is False  # the pull is under way
+    assert csched.request_finished(request) == (False, None)
+    consumer = csched.side.remote_consumer
+    deadline = time.monotonic() + 20
+    while consumer._pulls:
+        assert time.monotonic() < deadline, f"pull state kept: {consumer._pulls}"
+        step(csched)
+        time.sleep(0.005)
+    csched.side.catalog.check()
+
+
+@needs_nixl
 def test_an_expired_lease_unpins_without_any_consumer(hosts):
     (psched, pworker), _ = hosts(producer_extra={"lease_s": 0.2})
     _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
