@@ -255,3 +255,18 @@ def test_nested_pins_release_the_blocks_once(make):
     c.check()
     assert c.reserve("x", 3 * B) is not None and c.state("a") is None
     c.check()
+
+
+def test_item_crc32_covers_every_extent_in_order_and_stops_at_the_item_s_end():
+    import zlib
+
+    from ecoffload.engine.catalog import item_crc32
+
+    block = 16
+    data = bytearray(range(256)) * 2  # 32 blocks; bytes past an item's end are not zero
+    item = bytes(data[5 * block : 7 * block]) + bytes(data[1 * block : 1 * block + 9])
+    extents = [(5, 2), (1, 1)]  # stream order, not address order; last block 9 of 16 bytes
+    assert item_crc32(data, extents, block, len(item)) == zlib.crc32(item)
+    assert item_crc32(data, [(1, 1), (5, 2)], block, len(item)) != zlib.crc32(item)
+    three = [(5, 1), (6, 1), (1, 1)]  # the same bytes split differently: the same CRC
+    assert item_crc32(data, three, block, len(item)) == zlib.crc32(item)
