@@ -88,6 +88,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def nvtx_timeline(monkeypatch):
+    """What ECOFFLOAD_NVTX=1 would put on the Nsight timeline: each range's name when
+    it opens, "end" when it closes (the nvtx package itself is not needed)."""
+    import contextlib
+
+    from ecoffload.profiling import nvtx
+
+    timeline = []
+
+    @contextlib.contextmanager
+    def annotate(message):
+        timeline.append(message)
+        yield
+        timeline.append("end")
+
+    monkeypatch.setattr(nvtx, "_annotate", annotate)
+    return timeline
+
+
+@pytest.fixture
 def arena_dir(tmp_path):
     """A private directory for arena files; checked empty afterwards (nothing leaked)."""
     d = tmp_path / "arenas"

@@ -215,24 +215,11 @@ def test_each_save_without_room_is_counted(sched):
     assert sched.offload_stats()["saves_skipped_no_room"] == 2
 
 
-def test_a_step_is_named_ranges_on_the_nsight_timeline(sched, monkeypatch):
+def test_a_step_is_named_ranges_on_the_nsight_timeline(sched, nvtx_timeline):
     """What ECOFFLOAD_NVTX=1 shows for one request: each hook vLLM called, and the
     catalog reservation inside the allocation hook (README, Profiling)."""
-    import contextlib
-
-    from ecoffload.profiling import nvtx
-
-    timeline = []
-
-    @contextlib.contextmanager
-    def annotate(message):
-        timeline.append(message)
-        yield
-        timeline.append("end")
-
-    monkeypatch.setattr(nvtx, "_annotate", annotate)
     step(sched, ("img", 4))
-    assert timeline == [
+    assert nvtx_timeline == [
         "ecoffload.has_cache_item", "end",
         "ecoffload.update_state_after_alloc", "ecoffload.reserve", "end", "end",
         "ecoffload.build_connector_meta", "end",

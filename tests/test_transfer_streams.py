@@ -17,7 +17,6 @@ import torch
 
 from ecoffload.engine import transfer
 from ecoffload.engine.arena import Arena
-from ecoffload.profiling import nvtx
 
 B = 4096
 
@@ -187,17 +186,9 @@ def test_events_are_reused_once_their_copy_was_seen_complete(cuda):
     assert len(fake.events) == created  # a steady stream of copies creates no events
 
 
-def test_saves_and_loads_are_named_ranges_on_the_nsight_timeline(cuda, monkeypatch):
+def test_saves_and_loads_are_named_ranges_on_the_nsight_timeline(cuda, nvtx_timeline):
     _, mover = cuda
-    timeline = []
-
-    @contextlib.contextmanager
-    def annotate(message):
-        timeline.append(message)
-        yield
-        timeline.append("end")
-
-    monkeypatch.setattr(nvtx, "_annotate", annotate)  # what ECOFFLOAD_NVTX=1 turns on
+    timeline = nvtx_timeline
     mover.save([torch.zeros(B, dtype=torch.uint8)], [[(0, 1)]])
     mover.load([[(0, 1)]], [(torch.uint8, (B,))])
     assert timeline == ["ecoffload.save", "ecoffload.pack", "end", "end",  # the launch inside
