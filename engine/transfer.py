@@ -45,6 +45,7 @@ from ..kernels import (
     KernelVariant,
     LaunchConfig,
     empty_items,
+    native,
     pack,
     triton_available,
     unpack,
@@ -153,18 +154,22 @@ class BlockMover:
             self.stream = torch.cuda.Stream(self.device)
             self._fence = torch.cuda.Event()  # "the caller's work so far", re-recorded per save
             self.path = "kernel" if arena.registered else "reference"
-            if warm_up and self.path == "kernel":
-                self.warm_up()
         else:
             self.stream = None
             self.path = "kernel" if triton_available(self.device) else "reference"
+        if warm_up:
+            self.warm_up()
 
     def warm_up(self) -> list[KernelVariant]:
-        """Compile every kernel variant this mover can launch, so none compiles mid-serving.
+        """Build or load the copy planner's C pass and, on a CUDA kernel path, compile every
+        kernel variant this mover can launch, so nothing compiles mid-serving.
 
-        Runs when a CUDA mover on the kernel path is created (``warm_up=True``);
-        the time is logged. Compiles nothing on CPU.
+        Runs when a mover is created (``warm_up=True``); kernel compile time is
+        logged. Returns the variants compiled: none on CPU or the reference path.
         """
+        native.planner()  # every path plans (the reference path validates its tables)
+        if self.device.type != "cuda" or self.path != "kernel":
+            return []
         return warm_up(self.device, pack_config=self.pack_config,
                        unpack_config=self.unpack_config)  # fmt: skip
 

@@ -27,6 +27,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from ..profiling.nvtx import nvtx_range
+from . import native
 from .block_copy import KernelVariant, _block_copy_kernel, compile_variants, launch_block_copy
 from .plan import VEC_WIDTHS, CopyPlan, Extents, PlanError, plan_copy
 from .reference import byte_view, reference_pack, reference_unpack
@@ -82,12 +83,14 @@ def warm_up(
     pack_config: LaunchConfig = PACK_CONFIG,
     unpack_config: LaunchConfig = UNPACK_CONFIG,
 ) -> list[KernelVariant]:
-    """Compile every variant launches with these configs can select, before the first copy.
+    """Load the planner's C pass (:mod:`.native`) and compile every kernel variant launches
+    with these configs can select, before the first copy.
 
     Returns the variants compiled: none for a non-CUDA device or under the
     interpreter, which compile nothing. Triton's on-disk cache makes later
-    processes' warm-ups fast.
+    processes' warm-ups fast; the C pass is built once per host.
     """
+    native.planner()
     if _interpreted() or device.type != "cuda":
         return []
     variants = kernel_variants(pack_config, unpack_config)
@@ -370,7 +373,15 @@ def _item_layout(
 ) -> tuple[torch.Tensor | None, list[int], list[int], int]:
     """(base, offsets, sizes, span): the lowest-addressed non-empty item as a flat
     uint8 tensor, each item's byte offset from it and byte size, and the bytes
-    from base to the end of the highest item."""
+    from base to the end of the highest item. The C pass computes the numbers
+    when it is loaded (three method calls per tensor are most of a step's host
+    cost); these lines do where it is not, and name what is wrong."""
+    c_pass = native.planner()
+    found = c_pass.item_layout(tensors) if c_pass is not None else None
+    if found is not None:
+        lowest, offsets, sizes, span = found
+        base = tensors[lowest].flatten().view(torch.uint8) if lowest >= 0 else None
+        return base, offsets, sizes, span
     if not all(map(_is_contiguous, tensors)):
         i, t = next((i, t) for i, t in enumerate(tensors) if not t.is_contiguous())
         raise PlanError(

@@ -48,9 +48,14 @@ MODULES: dict[str, list[str]] = {
         "tests/test_plan_programs.py",
         "tests/test_plan_vectorised.py",
         "tests/test_plan_small.py",
+        "tests/test_plan_native.py",
         "tests/test_dma_split.py",
         "tests/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
         "tests/test_block_copy.py",
+    ],
+    "kernels/native.py": [
+        "tests/test_plan_native.py",
+        "tests/test_kernel_variants.py",
     ],
     "engine/allocator.py": [
         "tests/test_allocator.py",

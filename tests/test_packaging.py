@@ -63,3 +63,4 @@ def test_wheel_holds_only_the_ecoffload_package(tmp_path):
     for sub in ("kernels", "engine", "connector", "profiling"):
         assert f"ecoffload/{sub}/__init__.py" in names
     assert "ecoffload/profiling/gpu_check.sh" in names
+    assert "ecoffload/kernels/plan_native.c" in names  # built on first use, so shipped as source

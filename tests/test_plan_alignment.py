@@ -9,6 +9,7 @@ import torch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from planners import PLANNERS, use_planner  # noqa: E402
 
 from ecoffload.kernels import api, pack, plan_batch, plan_copy, triton_available, unpack  # noqa: E402
 
@@ -146,18 +147,13 @@ def test_the_launch_gets_the_width_of_its_own_addresses(to_arena):
     check_addresses(plan, items_base, arena_base)
 
 
-@pytest.mark.parametrize("planner", ["loop", "small", "vectorised"])
+@pytest.mark.parametrize("planner", PLANNERS)
 @pytest.mark.parametrize("side", ["items", "arena"])
 def test_the_width_comes_from_base_plus_offset_not_each_alone(side, planner, monkeypatch):
     """base 4 + offsets 16k+4 are addresses 16k+8: 8-byte accesses, not 16 (the width
     comes from base + offset, never from base and offset separately)."""
-    from ecoffload.kernels import plan as plan_mod
-
-    n = plan_mod.VECTORISE_FROM  # one-extent items: the vectorised pass takes them
-    if planner != "vectorised":
-        monkeypatch.setattr(plan_mod, "VECTORISE_FROM", 10**9)
-    if planner == "loop":
-        monkeypatch.setattr(plan_mod, "_segments_small", lambda *args: None)
+    n = 128  # one-extent items
+    use_planner(monkeypatch, planner)
     if side == "items":  # items at 16k+4 of a buffer at 4
         kw = dict(block_bytes=B, arena_bytes=n * B, items_base=4, arena_base=0)
         offsets, tables = [16 * k + 4 for k in range(n)], [[(k, 1)] for k in range(n)]

@@ -6,12 +6,18 @@ import random
 
 import pytest
 
-from ecoffload.kernels import PlanError, plan
+from ecoffload.kernels import PlanError, native, plan
 from ecoffload.kernels.plan import plan_copy
 
 B = 4096
 BLOCKS = 200
 ITEMS_BASE, ARENA_BASE = 0x7F0000001000, 0x7E0000000000
+
+
+@pytest.fixture(autouse=True)
+def python_passes(monkeypatch):
+    """These tests are about the Python passes: no C pass (tests/test_plan_native.py)."""
+    monkeypatch.setattr(native, "planner", lambda: None)
 
 
 def step(seed, items=6, max_blocks=5):

@@ -6,10 +6,16 @@ import random
 import pytest
 import torch
 
-from ecoffload.kernels import PlanError, plan
+from ecoffload.kernels import PlanError, native, plan
 from ecoffload.kernels.plan import plan_copy
 
 B = 4096
+
+
+@pytest.fixture(autouse=True)
+def python_passes(monkeypatch):
+    """These tests are about the Python passes: no C pass (tests/test_plan_native.py)."""
+    monkeypatch.setattr(native, "planner", lambda: None)
 
 
 def step(seed, items=40, max_extents=12, zero_items=True):

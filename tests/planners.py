@@ -1,0 +1,30 @@
+"""Choosing which planner pass ``plan_copy`` runs, for tests of each pass."""
+
+import os
+import shutil
+
+import pytest
+
+from ecoffload.kernels import native, plan
+
+PLANNERS = ("native", "small", "vectorised", "loop")
+
+
+def use_planner(monkeypatch, name: str) -> None:
+    """Make ``plan_copy`` plan every valid step with one pass: "native" (the C pass; the
+    test skips where the host has no C compiler at all, and fails if one is there but the
+    build does not work), "small" or "vectorised" (the Python passes) or "loop"."""
+    if name == "native":
+        require_native()
+        return
+    monkeypatch.setattr(native, "planner", lambda: None)
+    monkeypatch.setattr(plan, "VECTORISE_FROM", 0 if name == "vectorised" else 10**9)
+    if name == "loop":
+        monkeypatch.setattr(plan, "_segments_small", lambda *args: None)
+
+
+def require_native():
+    """The C pass, loaded (skip only where no C compiler exists)."""
+    if not os.environ.get("CC") and not any(map(shutil.which, ("cc", "gcc", "clang"))):
+        pytest.skip("no C compiler on this host: the planner's C pass cannot be built")
+    return native.load()

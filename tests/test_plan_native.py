@@ -1,0 +1,357 @@
+"""The planner's C pass (kernels/plan_native.c) against the loop planner (the reference),
+and how it is built, cached and loaded (kernels/native.py).
+
+The pass must give the loop's launch table, byte for byte, for every valid step, and
+None for every faulty or unusual one (plan_copy then plans in Python and the loop names
+the fault). It is built once per host, loaded at a mover's start, never mid-step.
+"""
+
+import logging
+import random
+import subprocess
+
+import numpy as np
+import pytest
+import test_plan_small as small
+import test_plan_vectorised as fragmented
+import torch
+from planners import require_native
+
+from ecoffload.engine.arena import Arena
+from ecoffload.engine.transfer import BlockMover
+from ecoffload.kernels import PlanError, api, native, plan
+from ecoffload.kernels.plan import plan_copy
+
+
+@pytest.fixture(scope="module")
+def c_pass():
+    return require_native()
+
+
+def c_plan(c_pass, args, num_programs=8):
+    """The C pass on a Python pass's arguments (it takes the arena's bytes, not its blocks)."""
+    offsets, sizes, tables, block, blocks, *rest = args
+    return c_pass.plan(offsets, sizes, tables, block, blocks * block, *rest, num_programs)
+
+
+def loop_plan(args, num_programs):
+    """The reference: the loop's rows and the program rows, as one int64 list."""
+    rows, first_tiles, tiles, vec, total = plan._segments_loop(*args)
+    programs = min(num_programs, tiles)
+    table = list(rows) + plan._split_tiles(first_tiles, tiles, programs)
+    return table, len(first_tiles), programs, vec, tiles, total
+
+
+def agree(c_pass, args, num_programs=8):
+    got = c_plan(c_pass, args, num_programs)
+    assert got is not None, "a valid step was refused"
+    table, *rest = got
+    want_table, *want_rest = loop_plan(args, num_programs)
+    assert np.frombuffer(table, np.int64).tolist() == want_table
+    assert rest == want_rest
+
+
+@pytest.mark.parametrize("tile_bytes", [1024, 4096, 16384, 1 << 40])
+@pytest.mark.parametrize("seed", range(40))
+def test_few_extent_steps_give_the_loop_s_table(c_pass, seed, tile_bytes):
+    args = small.args_of(*small.step(seed), tile_bytes=tile_bytes)
+    agree(c_pass, args)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fragmented_steps_give_the_loop_s_table(c_pass, seed):
+    agree(c_pass, fragmented.args_of(*fragmented.step(seed)))
+
+
+@pytest.mark.parametrize("num_programs", [1, 2, 3, 7, 8, 16, 1000])
+def test_tiles_split_between_programs_as_the_loop_splits_them(c_pass, num_programs):
+    """Fewer tiles than programs, uneven splits, and one program for everything."""
+    agree(c_pass, fragmented.args_of(*fragmented.step(3, items=9, max_extents=3)), num_programs)
+
+
+@pytest.mark.parametrize("items_base, arena_base", [(1, 0), (2, 4), (4, 8), (8, 0), (0, 16)])
+def test_the_access_width_comes_from_every_address(c_pass, items_base, arena_base):
+    agree(c_pass, small.args_of(*small.step(7), items_base=items_base, arena_base=arena_base))
+
+
+def test_an_empty_step(c_pass):
+    assert c_pass.plan([], [], [], 4096, 40960, 0, 1024, 0, 0, 8) == (bytearray(), 0, 0, 16, 0, 0)
+    empty = plan_copy([], [], [], block_bytes=4096, arena_bytes=4096, items_bytes=0)
+    assert empty.table.numel() == 0 and empty.num_programs == 0
+    agree(c_pass, small.args_of([0, 0], [0, 0], [[], []], 0))
+
+
+def test_many_shuffled_extents_over_a_large_arena_are_checked_for_overlap(c_pass):
+    """More extents than the insertion sort takes, block numbers of 3 bytes: the radix
+    sort's passes; one block given twice, far apart in stream order, is found."""
+    rng = random.Random(5)
+    blocks = rng.sample(range(1 << 22), 500)
+    offsets = [i * 4096 for i in range(500)]
+    args = (offsets, [4096] * 500, [[(b, 1)] for b in blocks], 4096, 1 << 22, 500 * 4096,
+            16384, 0, 0)  # fmt: skip
+    agree(c_pass, args)
+    sorted_args = (*args[:2], [[(b, 1)] for b in sorted(blocks)], *args[3:])
+    agree(c_pass, sorted_args)  # already in block order: no sort at all
+    twice = [[(b, 1)] for b in blocks]
+    twice[400] = [(blocks[3], 1)]
+    assert c_plan(c_pass, (*args[:2], twice, *args[3:])) is None
+
+
+@pytest.mark.parametrize("kind", small.FAULTS)
+def test_every_faulty_step_is_refused_and_the_loop_names_it(c_pass, kind):
+    args = small.one_fault(kind)
+    assert c_plan(c_pass, args) is None
+    with pytest.raises(PlanError) as loop:
+        plan._segments_loop(*args)
+    offsets, sizes, tables, block, blocks, items_bytes, tile, _, _ = args
+    with pytest.raises(PlanError) as planned:
+        plan_copy(offsets, sizes, tables, block_bytes=block, arena_bytes=blocks * block,
+                  items_bytes=items_bytes, tile_bytes=tile)  # fmt: skip
+    assert str(planned.value) == str(loop.value)
+
+
+@pytest.mark.parametrize("kind", ["overlap", "too-long", "too-short", "outside"])
+@pytest.mark.parametrize("seed", range(3))
+def test_faulty_fragmented_steps_are_refused(c_pass, kind, seed):
+    offsets, sizes, tables, total = fragmented.step(seed, zero_items=False)
+    bad = fragmented.corrupt(tables, sizes, kind, random.Random(seed))
+    assert c_plan(c_pass, fragmented.args_of(offsets, sizes, bad, total)) is None
+
+
+@pytest.mark.parametrize(
+    "entry", [(5, 1, 0), (5,), None, ("5", 1), (5.0, 1), (2**63, 1), (5, -(2**63) - 1)]
+)
+def test_entries_that_are_not_pairs_of_int64_are_refused(c_pass, entry):
+    args = small.one_fault("none")
+    args[2][2] = [entry]
+    assert c_plan(c_pass, args) is None
+
+
+def test_lists_tuples_and_numpy_ints_plan_alike(c_pass):
+    offsets, sizes, tables, total = small.step(11)
+    want = c_plan(c_pass, small.args_of(offsets, sizes, tables, total))
+    assert want is not None
+    assert c_plan(c_pass, small.args_of(tuple(offsets), tuple(sizes), tables, total)) == want
+    as_lists = [[list(e) for e in t] for t in tables]
+    as_numpy = tuple(tuple((np.int64(s), np.int32(c)) for s, c in t) for t in tables)
+    for t in (as_lists, as_numpy):
+        assert c_plan(c_pass, small.args_of(offsets, sizes, t, total)) == want
+
+
+def test_what_the_c_pass_refuses_to_read_the_python_passes_plan(c_pass):
+    """Offsets as a numpy array, a table as a numpy array, a base past int64: not the C
+    pass's input, still the same plan (the Python passes take any sequence and any int)."""
+    offsets, sizes, tables, total = small.step(2)
+    kw = dict(block_bytes=small.B, arena_bytes=small.BLOCKS * small.B, items_bytes=total,
+              tile_bytes=1024, num_programs=8)  # fmt: skip
+    want = plan_copy(offsets, sizes, tables, **kw)
+    as_array = np.array(offsets, np.int64)
+    assert c_plan(c_pass, small.args_of(as_array, sizes, tables, total)) is None
+    assert torch.equal(plan_copy(as_array, sizes, tables, **kw).table, want.table)
+    arrays = [np.array(t, np.int64).reshape(-1, 2) for t in tables]
+    assert torch.equal(plan_copy(offsets, sizes, arrays, **kw).table, want.table)
+    far = plan_copy(offsets, sizes, tables, **kw, arena_base=2**64)  # 2**64: 16-byte aligned
+    assert torch.equal(far.table, want.table)
+
+
+def test_valid_steps_never_reach_the_python_passes(c_pass, monkeypatch):
+    steps = [small.args_of(*small.step(4)), fragmented.args_of(*fragmented.step(4))]
+    wanted = [loop_plan(args, 8)[0] for args in steps]
+
+    def python(*args):
+        raise AssertionError("planned in Python although the C pass was loaded")
+
+    for name in ("_segments_small", "_segments_vectorised", "_segments_loop"):
+        monkeypatch.setattr(plan, name, python)
+    for args, want in zip(steps, wanted, strict=True):
+        offsets, sizes, tables, block, blocks, items_bytes, tile, ib, ab = args
+        got = plan_copy(offsets, sizes, tables, block_bytes=block, arena_bytes=blocks * block,
+                        items_bytes=items_bytes, tile_bytes=tile, items_base=ib, arena_base=ab,
+                        num_programs=8)  # fmt: skip
+        assert got.table.tolist() == want
+
+
+def test_a_copy_engine_split_is_planned_in_python(c_pass, monkeypatch):
+    """``dma_min_bytes`` (unmeasured, off by default) takes the Python passes."""
+    calls = []
+    real = plan._segments_small
+    monkeypatch.setattr(plan, "_segments_small", lambda *a: calls.append(1) or real(*a))
+    offsets, sizes, tables, total = small.step(4)
+    plan_copy(offsets, sizes, tables, block_bytes=small.B, arena_bytes=small.BLOCKS * small.B,
+              items_bytes=total, dma_min_bytes=1 << 20)  # fmt: skip
+    assert calls == [1]
+
+
+# --- building, caching and loading ----------------------------------------------------
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache folder and no decision yet in this process; both restored after."""
+    require_native()
+    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    native.forget()
+    yield tmp_path / "cache"
+    native.forget()
+
+
+def built(cache):
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+
+
+def test_built_once_per_host_then_only_loaded(fresh, monkeypatch):
+    module = native.planner()
+    assert module is not None and module.plan([], [], [], 1, 1, 0, 1, 0, 0, 1)[1] == 0
+    (name,) = built(fresh)
+    assert name.startswith("plan_native-") and not name.startswith(".")  # no temp file left
+    native.forget()  # as a second process would: the cached module, no compiler run
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert native.planner() is not None
+    assert built(fresh) == [name]
+
+
+def test_the_cache_key_follows_the_source(fresh, monkeypatch, tmp_path):
+    path, _ = native.built_path()
+    changed = tmp_path / "plan_native.c"
+    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    assert native.built_path()[0] != path
+
+
+def test_a_step_never_waits_for_the_compiler_a_mover_built_it_at_start(fresh, monkeypatch,
+                                                                      arena_dir):
+    loads = []
+    real = native.load
+    monkeypatch.setattr(native, "load", lambda: loads.append("load") or real())
+    with Arena.create("native", block_bytes=4096, num_blocks=8, directory=arena_dir) as arena:
+        mover = BlockMover(arena, "cpu")
+        assert loads == ["load"] and built(fresh)
+        mover.save([torch.arange(3000, dtype=torch.int16)], [[(2, 2)]]).wait()
+        outputs, done = mover.load([[(2, 2)]], [(torch.int16, (3000,))])
+        done.wait()
+        assert torch.equal(outputs[0], torch.arange(3000, dtype=torch.int16))
+    assert loads == ["load"]
+
+
+def test_without_a_compiler_planning_stays_in_python_and_says_so_once(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(fresh.parent / "no-such-cc"))
+    with caplog.at_level(logging.WARNING, logger="ecoffload.kernels.native"):
+        assert native.planner() is None
+        assert native.planner() is None
+        offsets, sizes, tables, total = small.step(9)
+        got = plan_copy(offsets, sizes, tables, block_bytes=small.B,
+                        arena_bytes=small.BLOCKS * small.B, items_bytes=total)  # fmt: skip
+    assert got.num_segments == sum(map(len, tables))
+    (record,) = caplog.records
+    assert "stays in Python" in record.message and "no-such-cc" in record.message
+    assert built(fresh) == []
+
+
+def test_a_compiler_that_fails_is_named_with_its_output(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(native.NativeBuildError, match=r"false .* exited 1"):
+        native.load()
+    assert built(fresh) == []  # no partial module, no temp file
+
+
+def test_disabled_by_the_environment_nothing_is_built(fresh, monkeypatch):
+    monkeypatch.setenv("ECOFFLOAD_NATIVE_PLAN", "0")
+    assert native.planner() is None
+    assert built(fresh) == []
+
+
+def test_a_damaged_cached_module_is_named(fresh):
+    path, _ = native.built_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared object")
+    with pytest.raises(native.NativeBuildError, match=r"does not load .* delete it to rebuild"):
+        native.load()
+
+
+def test_an_unwritable_cache_folder_is_named(fresh, monkeypatch):
+    fresh.parent.joinpath("file").write_text("")
+    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(fresh.parent / "file" / "cache"))
+    with pytest.raises(native.NativeBuildError, match=r"cannot write to .*ECOFFLOAD_CACHE_DIR"):
+        native.load()
+
+
+# --- item layout ------------------------------------------------------------------------
+
+
+def tensors_of(seed):
+    """Separate allocations and views of one buffer, empty ones (first, last, between),
+    0-d scalars, several dtypes and shapes, in shuffled order."""
+    rng = random.Random(seed)
+    buffer = torch.zeros(1 << 16, dtype=torch.uint8)
+    out = []
+    for _ in range(rng.randint(0, 12)):
+        kind = rng.choice(["own", "view", "empty", "scalar"])
+        dtype = rng.choice([torch.uint8, torch.int16, torch.bfloat16, torch.float32])
+        if kind == "own":
+            out.append(torch.zeros(rng.randint(1, 40), rng.randint(1, 9), dtype=dtype))
+        elif kind == "view":
+            start = rng.randrange(0, 1 << 15, 16)
+            out.append(buffer[start : start + 16 * rng.randint(1, 50)].view(dtype))
+        elif kind == "empty":
+            out.append(torch.zeros(0, 7, dtype=dtype))
+        else:
+            out.append(torch.tensor(3, dtype=dtype))
+    rng.shuffle(out)
+    return out
+
+
+def python_layout(tensors, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(native, "planner", lambda: None)
+        return api._item_layout(tensors)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_item_layout_is_python_s(c_pass, seed, monkeypatch):
+    tensors = tensors_of(seed)
+    assert c_pass.item_layout(tensors) is not None
+    base, offsets, sizes, span = api._item_layout(tensors)
+    want_base, *want = python_layout(tensors, monkeypatch)
+    assert [offsets, sizes, span] == want
+    if want_base is None:
+        assert base is None
+    else:
+        assert (base.data_ptr(), base.dtype, base.shape) == (
+            want_base.data_ptr(), want_base.dtype, want_base.shape)  # fmt: skip
+
+
+def test_an_empty_tensor_is_outside_the_span(c_pass):
+    """Wherever its address (torch 2.13 reports 0 for empty views; others need not)."""
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    tensors = [buffer[4000:4000], buffer[100:300], buffer[0:50]]
+    assert c_pass.item_layout(tensors) == (2, [0, 100, 0], [0, 200, 50], 300)
+
+
+def test_valid_layouts_never_reach_the_python_lines(c_pass, monkeypatch):
+    tensors = tensors_of(3) + [torch.zeros(5)]
+    want = python_layout(tensors, monkeypatch)[1:]
+    for name in ("_is_contiguous", "_data_ptr", "_nbytes"):
+        monkeypatch.setattr(api, name, lambda t: pytest.fail("laid out in Python"))
+    assert list(api._item_layout(tensors)[1:]) == list(want)
+
+
+@pytest.mark.parametrize(
+    "odd", ["transposed", "not a tensor", "a tuple"], ids=lambda s: s.replace(" ", "-")
+)
+def test_what_the_c_layout_refuses_python_names(c_pass, odd):
+    tensors = [torch.zeros(4, 8), torch.zeros(8, 4).t(), torch.zeros(3)]
+    if odd == "not a tensor":
+        tensors[1] = object()
+    elif odd == "a tuple":
+        tensors = tuple(tensors[::2])
+    assert c_pass.item_layout(tensors) is None  # no exception left pending either
+    if odd == "transposed":
+        with pytest.raises(PlanError, match=r"tensor 1 is not contiguous \(shape \(4, 8\)"):
+            api._item_layout(tensors)
+    elif odd == "not a tensor":
+        with pytest.raises(TypeError):
+            api._item_layout(tensors)
