@@ -2,12 +2,14 @@
 
     python -m ecoffload.profiling.bench_host [--repeat 200]
 
-Side by side in one run, on the same tensors and block tables: the host path
-before issue 10 (:mod:`.anchor_host_path`, frozen) and today's
-(:mod:`ecoffload.kernels`): item layout, validation, planning (segment and
-program rows) and, for loads, the output tensors; everything up to the device
-calls. Steps: 16 items of one extent each (a typical 64 KiB-block step), and
-fragmented steps of 2,000 and 19,200 single-block extents (token-row blocks).
+Side by side in one run, calls interleaved, on the same tensors and block
+tables: the host path before issue 10 (:mod:`.anchor_host_path`, frozen) and
+today's (:mod:`ecoffload.kernels`, with its C pass when it is built, else its
+Python passes; ``ECOFFLOAD_NATIVE_PLAN=0`` measures those): item layout,
+validation, planning (segment and program rows) and, for loads, the output
+tensors; everything up to the device calls. Steps: 16 items of one extent
+each (a typical 64 KiB-block step), and fragmented steps of 2,000 and 19,200
+single-block extents (token-row blocks).
 
 With CUDA it adds the full calls through a real :class:`BlockMover`: host time
 per ``save``/``load`` (launch included) and the stall test, ``save`` + ``load``
@@ -28,7 +30,7 @@ from functools import partial
 
 import torch
 
-from ..kernels import PACK_CONFIG, UNPACK_CONFIG, empty_items
+from ..kernels import PACK_CONFIG, UNPACK_CONFIG, empty_items, native
 from ..kernels import api as kernels_api
 from . import anchor_host_path as before
 
@@ -54,17 +56,25 @@ def step(items: int, extents_per_item: int, block_bytes: int, seed: int = 0):
 
 def timed(fn: Callable[[], object], repeat: int) -> float:
     """Median seconds of one call (garbage collection off while timing)."""
-    fn()
-    samples = []
+    return timed_side_by_side([fn], repeat)[0]
+
+
+def timed_side_by_side(fns: list[Callable[[], object]], repeat: int) -> list[float]:
+    """Median seconds of one call of each, calls interleaved (a, b, a, b, ...) so that a
+    busy or throttled machine slows all of them alike; garbage collection off."""
+    for fn in fns:
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
     gc.disable()
     try:
         for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
+            for fn, mine in zip(fns, samples, strict=True):
+                start = time.perf_counter()
+                fn()
+                mine.append(time.perf_counter() - start)
     finally:
         gc.enable()
-    return statistics.median(samples)
+    return [statistics.median(mine) for mine in samples]
 
 
 def old_save(sources, tables, arena, block):
@@ -103,8 +113,8 @@ def host_rows(repeat: int) -> list[dict]:
             ("save", old_save, new_save, sources),
             ("load", old_load, new_load, specs),
         ):
-            t_old = timed(partial(old, first, tables, arena, block), n)
-            t_new = timed(partial(new, first, tables, arena, block), n)
+            calls = [partial(fn, first, tables, arena, block) for fn in (old, new)]
+            t_old, t_new = timed_side_by_side(calls, n)
             rows.append(dict(step=name, direction=direction, extents=items * extents,
                              before_us=t_old * 1e6, now_us=t_new * 1e6,
                              ratio=t_old / t_new))  # fmt: skip
@@ -147,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=200)
     args = parser.parse_args(argv)
-    print(f"torch {torch.__version__}, host cost per call, median of up to {args.repeat} calls\n")
+    c_pass = native.planner()
+    where = f"C pass ({c_pass.__file__})" if c_pass else "Python passes (no C pass: see the log)"
+    print(f"torch {torch.__version__}, host cost per call, median of up to {args.repeat} calls "
+          f"(interleaved); planning and item layout now: {where}\n")  # fmt: skip
     print("| step | direction | extents | before issue 10 (us) | now (us) | before / now |")
     print("|---|---|---|---|---|---|")
     rows = host_rows(args.repeat)

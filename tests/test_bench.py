@@ -110,3 +110,38 @@ def arena_offset(table, pos, unit):
             return start * unit + pos
         pos -= count * unit
     raise AssertionError("past the table")
+
+
+def test_bench_host_compares_both_paths_on_every_step_and_names_its_planner(capsys, monkeypatch):
+    """One table row per step and direction, before and now measured on the same step
+    (their plans agree), the planner named, and the summary line last."""
+    from ecoffload.kernels import native
+    from ecoffload.profiling import bench_host
+
+    sources, tables, arena = bench_host.step(4, 3, B)
+    old_segments, _, _ = bench_host.old_save(sources, tables, arena, B)
+    _, _, new = bench_host.new_save(sources, tables, arena, B)
+    assert old_segments.tolist() == new.segments.tolist()  # the same work, done two ways
+
+    def rows(repeat):
+        return [dict(step=f"s{i}", direction=d, extents=10**i, before_us=2.0 * i, now_us=1.0,
+                     ratio=2.0 * i) for i in (1, 2) for d in ("save", "load")]  # fmt: skip
+
+    monkeypatch.setattr(bench_host, "host_rows", rows)
+    assert bench_host.main(["--repeat", "3"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    where = "C pass" if native.planner() else "Python passes"
+    assert f"planning and item layout now: {where}" in out[0]
+    assert "| s2 | load | 100 | 4.0 | 1.0 | 4.0x |" in out
+    assert out[-1] == ("summary (before / now): save 10 ext 2.0x, load 10 ext 2.0x, "
+                       "save 100 ext 4.0x, load 100 ext 4.0x")  # fmt: skip
+
+
+def test_bench_host_rows_cover_each_step_both_ways():
+    from ecoffload.profiling import bench_host
+
+    rows = bench_host.host_rows(2)
+    assert [(r["direction"], r["extents"]) for r in rows] == [
+        (d, n) for n in (16, 2000, 19200) for d in ("save", "load")
+    ]
+    assert all(r["before_us"] > 0 and r["now_us"] > 0 for r in rows)
