@@ -21,7 +21,6 @@ Environment:
 from __future__ import annotations
 
 import hashlib
-import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -49,7 +48,7 @@ class NativeBuildError(RuntimeError):
 
 def enabled() -> bool:
     """Whether the environment allows the C fast pass (``ECOFFLOAD_NATIVE_PLAN`` not ``0``)."""
-    return os.environ.get("ECOFFLOAD_NATIVE_PLAN", "1").strip().lower() not in ("0", "false", "no")
+    return os.environ.get("ECOFFLOAD_NATIVE_PLAN", "1").strip() != "0"
 
 
 def planner() -> ModuleType | None:
@@ -123,9 +122,7 @@ def load() -> ModuleType:
     path, command = built_path()
     if not path.exists():
         build(path, command)
-    spec = importlib.util.spec_from_file_location(
-        MODULE_NAME, path, loader=importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
-    )
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)  # an extension module
     try:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

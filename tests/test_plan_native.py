@@ -9,6 +9,8 @@ the fault). It is built once per host, loaded at a mover's start, never mid-step
 import logging
 import random
 import subprocess
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,23 +189,37 @@ def test_a_copy_engine_split_is_planned_in_python(c_pass, monkeypatch):
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """An empty cache folder and no decision yet in this process; both restored after."""
+    """A cache folder that does not exist yet (two levels) and no decision yet in this
+    process; both restored after."""
     require_native()
-    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(tmp_path / "new" / "cache"))
     native.forget()
-    yield tmp_path / "cache"
+    yield tmp_path / "new" / "cache"
     native.forget()
+
+
+def fake_compiler(directory, body):
+    """An executable shell script standing for the C compiler."""
+    path = directory / "fake-cc"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
 
 
 def built(cache):
     return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
 
 
-def test_built_once_per_host_then_only_loaded(fresh, monkeypatch):
-    module = native.planner()
+def test_built_once_per_host_then_only_loaded(fresh, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="ecoffload.kernels.native"):
+        module = native.planner()
+    path, _ = native.built_path()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ecoffload: built the copy planner's C pass into {path}"
+    ]
     assert module is not None and module.plan([], [], [], 1, 1, 0, 1, 0, 0, 1)[1] == 0
     (name,) = built(fresh)
-    assert name.startswith("plan_native-") and not name.startswith(".")  # no temp file left
+    assert name == path.name and name.endswith(sysconfig.get_config_var("EXT_SUFFIX"))
     native.forget()  # as a second process would: the cached module, no compiler run
 
     def no_compiler(*args, **kwargs):
@@ -251,17 +267,81 @@ def test_without_a_compiler_planning_stays_in_python_and_says_so_once(fresh, mon
     assert built(fresh) == []
 
 
-def test_a_compiler_that_fails_is_named_with_its_output(fresh, monkeypatch):
-    monkeypatch.setenv("CC", "false")
-    with pytest.raises(native.NativeBuildError, match=r"false .* exited 1"):
+def test_a_compiler_that_fails_is_named_with_its_output(fresh, monkeypatch, tmp_path):
+    cc = fake_compiler(tmp_path, 'echo "$@" > "$(dirname "$0")/args"; echo "no room" >&2; exit 3')
+    monkeypatch.setenv("CC", cc)
+    with pytest.raises(native.NativeBuildError) as caught:
         native.load()
+    assert str(caught.value).startswith(f"{cc} -O2 -shared -fPIC -I")
+    assert str(caught.value).endswith(" exited 3: no room")
+    out = (tmp_path / "args").read_text().split()[-1]  # where it was told to write
+    assert out.startswith(str(fresh / ".plan_native-")) and out.endswith(".so")
     assert built(fresh) == []  # no partial module, no temp file
+
+
+def test_a_compiler_that_hangs_is_given_up(fresh, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", fake_compiler(tmp_path, "sleep 30"))
+    monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 0.5)
+    with pytest.raises(native.NativeBuildError, match=r"fake-cc .* failed: .*timed out after 0.5"):
+        native.load()
+    assert built(fresh) == []
+
+
+def test_a_module_built_twice_into_one_folder(fresh):
+    """The folder exists the second time (a cache cleared of its module, not of itself)."""
+    path = Path(native.load().__file__)
+    path.unlink()
+    assert native.load() is not None and built(fresh) == [path.name]
+
+
+def test_missing_python_headers_are_named(fresh, monkeypatch, tmp_path):
+    paths = {**sysconfig.get_paths(), "include": str(tmp_path)}
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
+    with pytest.raises(native.NativeBuildError,
+                       match=f"Python.h not found in {tmp_path}: install this Python's "
+                             r"development headers \(e.g. python3-dev\)"):  # fmt: skip
+        native.load()
+
+
+def test_the_compiler_is_cc_then_gcc_then_clang_on_path(monkeypatch, tmp_path):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(native.NativeBuildError, match=r"no C compiler found .*set CC"):
+        native.compiler()
+    for name in ("clang", "gcc", "cc"):  # each found one outranks those before it
+        fake = tmp_path / name
+        fake.write_text("#!/bin/sh\n")
+        fake.chmod(0o755)
+        assert native.compiler() == str(fake)
+    monkeypatch.setenv("CC", "my-cc")
+    assert native.compiler() == "my-cc"
+
+
+def test_the_cache_key_follows_the_compiler(monkeypatch):
+    monkeypatch.setenv("CC", "cc-one")
+    one = native.built_path()[0]
+    monkeypatch.setenv("CC", "cc-two")
+    assert native.built_path()[0] != one and native.built_path()[0].parent == one.parent
+
+
+def test_the_cache_folder_default(monkeypatch, tmp_path):
+    monkeypatch.delenv("ECOFFLOAD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native.cache_dir() == tmp_path / "xdg" / "ecoffload"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert native.cache_dir() == tmp_path / "home" / ".cache" / "ecoffload"
+    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(tmp_path / "mine"))
+    assert native.cache_dir() == tmp_path / "mine"
 
 
 def test_disabled_by_the_environment_nothing_is_built(fresh, monkeypatch):
     monkeypatch.setenv("ECOFFLOAD_NATIVE_PLAN", "0")
     assert native.planner() is None
     assert built(fresh) == []
+    native.forget()
+    monkeypatch.setenv("ECOFFLOAD_NATIVE_PLAN", "1")
+    assert native.planner() is not None
 
 
 def test_a_damaged_cached_module_is_named(fresh):
@@ -273,8 +353,8 @@ def test_a_damaged_cached_module_is_named(fresh):
 
 
 def test_an_unwritable_cache_folder_is_named(fresh, monkeypatch):
-    fresh.parent.joinpath("file").write_text("")
-    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(fresh.parent / "file" / "cache"))
+    fresh.parent.parent.joinpath("file").write_text("")
+    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(fresh.parent.parent / "file" / "cache"))
     with pytest.raises(native.NativeBuildError, match=r"cannot write to .*ECOFFLOAD_CACHE_DIR"):
         native.load()
 
