@@ -1,9 +1,18 @@
 import pytest
 import torch
+from planners import PLANNERS, use_planner
 
 from ecoffload.kernels.plan import PlanError, plan_copy
 
 B = 4096
+
+
+@pytest.fixture(autouse=True, params=PLANNERS)
+def planner(request, monkeypatch):
+    """Every test here holds for each pass plan_copy can take: the same plans, the same
+    errors (the C pass and the Python passes hand every fault to the loop)."""
+    use_planner(monkeypatch, request.param)
+    return request.param
 
 
 def plan(offsets, nbytes, tables, **kw):
