@@ -24,6 +24,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sysconfig
@@ -88,18 +89,23 @@ def forget() -> None:
 def cache_dir() -> Path:
     if os.environ.get("ECOFFLOAD_CACHE_DIR"):
         return Path(os.environ["ECOFFLOAD_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ecoffload"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "ecoffload"
+    try:
+        return Path.home() / ".cache" / "ecoffload"
+    except RuntimeError as e:  # no HOME and no passwd entry (some containers)
+        raise NativeBuildError(f"no home folder to build in ({e}): set ECOFFLOAD_CACHE_DIR") from e
 
 
-def compiler() -> str:
-    """The C compiler command: ``$CC``, else the first of cc, gcc, clang on PATH."""
-    if os.environ.get("CC"):
-        return os.environ["CC"]
+def compiler() -> list[str]:
+    """The C compiler command: ``$CC`` (split as a shell would: ``gcc -pthread``), else the
+    first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC", "").strip():
+        return shlex.split(os.environ["CC"])
     for name in ("cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
-            return found
+            return [found]
     raise NativeBuildError(
         "no C compiler found (looked for $CC, cc, gcc, clang): install one (e.g. gcc) or set "
         "CC; ECOFFLOAD_NATIVE_PLAN=0 plans in Python without asking"
@@ -111,7 +117,9 @@ def built_path() -> tuple[Path, list[str]]:
     into ``{out}``)."""
     include = sysconfig.get_paths()["include"]
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    command = [compiler(), "-O2", "-shared", "-fPIC", f"-I{include}", str(SOURCE), "-o", "{out}"]
+    # CPython's own release flags: asserts off, signed overflow defined.
+    flags = ["-O2", "-DNDEBUG", "-fwrapv", "-shared", "-fPIC", f"-I{include}"]
+    command = [*compiler(), *flags, str(SOURCE), "-o", "{out}"]
     key = hashlib.sha256(SOURCE.read_bytes())
     key.update("\0".join([*command[:-3], include, suffix]).encode())
     return cache_dir() / f"plan_native-{key.hexdigest()[:16]}{suffix}", command
@@ -119,9 +127,12 @@ def built_path() -> tuple[Path, list[str]]:
 
 def load() -> ModuleType:
     """Load the built module, building it first if this host has not; raises NativeBuildError."""
-    path, command = built_path()
-    if not path.exists():
-        build(path, command)
+    try:
+        path, command = built_path()
+        if not path.exists():
+            build(path, command)
+    except OSError as e:  # the source unreadable, a cache folder that cannot be searched...
+        raise NativeBuildError(f"cannot build or find the C pass: {e}") from e
     spec = importlib.util.spec_from_file_location(MODULE_NAME, path)  # an extension module
     try:
         module = importlib.util.module_from_spec(spec)
@@ -132,8 +143,9 @@ def load() -> ModuleType:
 
 
 def build(path: Path, command: list[str]) -> None:
-    """Compile into a private file, then rename it into place: processes building at once
-    never see a partial module."""
+    """Compile into a private folder, then rename the module into place: processes building
+    at once never see a partial module (and it gets the usual permissions, not a temporary
+    file's owner-only ones, so users sharing a cache folder can load it)."""
     if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
         raise NativeBuildError(
             f"Python.h not found in {sysconfig.get_paths()['include']}: install this Python's "
@@ -141,12 +153,12 @@ def build(path: Path, command: list[str]) -> None:
         )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan_native-", suffix=path.suffix)
-        os.close(fd)
+        private = tempfile.mkdtemp(dir=path.parent, prefix=".plan_native-")
     except OSError as e:
         raise NativeBuildError(
             f"cannot write to {path.parent} ({e}): set ECOFFLOAD_CACHE_DIR to a writable folder"
         ) from e
+    tmp = os.path.join(private, path.name)
     argv = [tmp if a == "{out}" else a for a in command]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
@@ -159,5 +171,4 @@ def build(path: Path, command: list[str]) -> None:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise NativeBuildError(f"{' '.join(argv)} failed: {e}") from e
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(private, ignore_errors=True)

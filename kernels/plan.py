@@ -134,7 +134,7 @@ def plan_copy(
             planned = c_pass.plan(item_offsets, item_nbytes, tables, block_bytes, arena_bytes,
                                   items_bytes, tile_bytes, items_base, arena_base,
                                   num_programs)  # fmt: skip
-        except OverflowError:  # an argument past int64: the Python passes say what
+        except (OverflowError, TypeError):  # past int64, or not an int: the Python passes
             planned = None
         if planned is not None:
             rows, num_segments, programs, vec, num_tiles, total = planned

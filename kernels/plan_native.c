@@ -15,13 +15,17 @@
  * inside the arena and never share a block, the access width is the largest
  * power of two (<= 16) dividing every absolute address, and the tiles are split
  * into contiguous ranges of equal length (+-1). Every value is bounded before
- * any product or sum, so no int64 arithmetic wraps in a step that passes.
+ * the product or sum that uses it, so no int64 arithmetic wraps, whatever the
+ * arguments. Only exact Python ints are read (no __index__, so no Python code
+ * runs while the inputs are read and borrowed references stay valid); numpy
+ * integers and other int-likes go to the Python passes.
  *
  * item_layout(tensors) -> (lowest, offsets, sizes, span) or None
  *   api._item_layout's numbers for a list of tensors: the index of the
  *   lowest-addressed non-empty tensor (-1: none), each tensor's byte offset
  *   from it (0 for empty ones), byte sizes, and the bytes from it to the end of
- *   the highest. None when a tensor is not contiguous (api.py names it).
+ *   the highest. None when a tensor is not contiguous (api.py names it). The
+ *   tensors' methods run Python code, so it works on a snapshot of the list.
  *
  * Built on first use by native.py with the host's C compiler (the one Triton
  * needs to launch its kernels on a GPU) and cached by the hash of this file.
@@ -39,14 +43,16 @@ typedef struct {
     int64_t start, count;
 } extent_t;
 
-/* A Python int (or anything with __index__) that fits int64; sets *bad otherwise. */
+/* An exact Python int that fits int64 (converting one runs no Python code); sets
+ * *bad otherwise. */
 static inline int64_t as_int64(PyObject *o, int *bad) {
+    if (!PyLong_CheckExact(o)) {
+        *bad = 1;
+        return 0;
+    }
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (overflow || (v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        *bad = 1;
-    }
+    if (overflow) *bad = 1;
     return v;
 }
 
@@ -102,12 +108,6 @@ static inline int read_pair(PyObject *pair, int64_t *start, int64_t *count) {
 /* A list or tuple (what the engine passes; other sequences go to the Python passes). */
 static inline int is_list_or_tuple(PyObject *o) { return PyList_CheckExact(o) || PyTuple_CheckExact(o); }
 
-/* Item i of a list or tuple, re-read each time: an __index__ run while converting an
- * earlier entry could have resized it. NULL when it is shorter now. */
-static inline PyObject *item_at(PyObject *seq, Py_ssize_t i) {
-    return i < Py_SIZE(seq) ? PySequence_Fast_GET_ITEM(seq, i) : NULL;
-}
-
 static PyObject *plan(PyObject *self, PyObject *args) {
     PyObject *offsets, *nbytes_of, *tables;
     long long block, arena_bytes, items_bytes, tile_bytes, items_base, arena_base, num_programs;
@@ -143,16 +143,16 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     Py_ssize_t s = 0;
     for (Py_ssize_t i = 0; i < items; i++) {
         int bad = 0;
-        PyObject *o = item_at(offsets, i), *b = item_at(nbytes_of, i), *table = item_at(tables, i);
-        if (o == NULL || b == NULL || table == NULL) goto done;
-        Py_INCREF(table);  /* kept while its entries convert */
-        int64_t offset = as_int64(o, &bad), nbytes = as_int64(b, &bad);
-        bad = bad || offset < 0 || nbytes < 0 || nbytes > items_bytes - offset;
+        int64_t offset = as_int64(PySequence_Fast_GET_ITEM(offsets, i), &bad);
+        int64_t nbytes = as_int64(PySequence_Fast_GET_ITEM(nbytes_of, i), &bad);
+        if (bad || offset < 0 || nbytes < 0 || offset > items_bytes || nbytes > items_bytes - offset)
+            goto done;  /* outside the items buffer (offset first: the difference fits) */
+        PyObject *table = PySequence_Fast_GET_ITEM(tables, i);
         int64_t pos = offset, end = offset + nbytes;
-        for (Py_ssize_t k = 0; !bad && k < Py_SIZE(table); k++) {
+        for (Py_ssize_t k = 0; k < Py_SIZE(table); k++) {
             int64_t start, count;
-            if (s >= n || read_pair(PySequence_Fast_GET_ITEM(table, k), &start, &count)) {
-                bad = 1;  /* not a pair of int64, or the table grew meanwhile */
+            if (read_pair(PySequence_Fast_GET_ITEM(table, k), &start, &count)) {
+                bad = 1;  /* not a pair of int64 */
                 break;
             }
             if (start < 0 || start >= num_blocks || count <= 0 || count > num_blocks - start) {
@@ -175,11 +175,9 @@ static PyObject *plan(PyObject *self, PyObject *args) {
             pos += take;
             s++;
         }
-        Py_DECREF(table);
         if (bad || pos != end) goto done;  /* pos < end: fewer bytes than the item's */
         if (__builtin_add_overflow(total, nbytes, &total)) goto done;
     }
-    n = s;  /* a table shrunk meanwhile: only what was read */
 
     /* No block given twice: sorted by start, each extent begins where the last ended or later. */
     if (sort_by_start(ext, n, num_blocks)) {
@@ -199,6 +197,10 @@ static PyObject *plan(PyObject *self, PyObject *args) {
 
     /* Program rows: tiles [p * T / P, (p + 1) * T / P), each with the segment holding its first tile. */
     int64_t programs = num_programs < tiles ? num_programs : tiles;
+    if (programs > (PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(int64_t) - 4 * n) / 3) {
+        result = PyErr_NoMemory();  /* a table of more than 2**63 bytes */
+        goto done;
+    }
     PyObject *table = PyByteArray_FromStringAndSize(
         NULL, (Py_ssize_t)(sizeof(int64_t) * (4 * n + 3 * programs)));
     if (table == NULL) {
@@ -208,10 +210,9 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     int64_t *out = (int64_t *)PyByteArray_AS_STRING(table);
     memcpy(out, rows, sizeof(int64_t) * 4 * n);
     int64_t *program = out + 4 * n, begin = 0;
-    int64_t per = programs ? tiles / programs : 0, extra = programs ? tiles % programs : 0;
     Py_ssize_t seg = 0;
     for (int64_t p = 1; p <= programs; p++) {
-        int64_t stop = per * p + extra * p / programs;  /* = tiles * p / programs, no overflow */
+        int64_t stop = (int64_t)((__int128)tiles * p / programs);  /* 128 bits: no overflow */
         while (seg + 1 < n && rows[4 * (seg + 1) + 3] <= begin) seg++;
         program[0] = seg;
         program[1] = begin;
@@ -230,9 +231,11 @@ done:
 
 static PyObject *s_data_ptr, *s_nbytes, *s_is_contiguous;  /* interned method names */
 
-static PyObject *item_layout(PyObject *self, PyObject *tensors) {
-    if (!PyList_CheckExact(tensors)) Py_RETURN_NONE;
-    Py_ssize_t n = PyList_GET_SIZE(tensors);
+static PyObject *item_layout(PyObject *self, PyObject *given) {
+    if (!PyList_CheckExact(given)) Py_RETURN_NONE;
+    PyObject *tensors = PyList_AsTuple(given);  /* a snapshot: the methods below run Python */
+    if (tensors == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(tensors);
     PyObject *offsets = PyList_New(n), *sizes = PyList_New(n), *result = NULL;
     int64_t *ptrs = malloc(sizeof(int64_t) * (n ? n : 1));
     if (offsets == NULL || sizes == NULL || ptrs == NULL) {
@@ -242,12 +245,10 @@ static PyObject *item_layout(PyObject *self, PyObject *tensors) {
     int64_t low = INT64_MAX, high = 0;
     Py_ssize_t lowest = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = PyList_GET_ITEM(tensors, i);
-        Py_INCREF(t);  /* the list may change while its methods run */
+        PyObject *t = PyTuple_GET_ITEM(tensors, i);
         PyObject *contiguous = PyObject_CallMethodNoArgs(t, s_is_contiguous);
         PyObject *ptr = contiguous == Py_True ? PyObject_CallMethodNoArgs(t, s_data_ptr) : NULL;
         PyObject *nbytes = ptr != NULL ? PyObject_GetAttr(t, s_nbytes) : NULL;
-        Py_DECREF(t);
         int bad = 0;
         int64_t address = ptr != NULL ? as_int64(ptr, &bad) : 0;
         int64_t size = nbytes != NULL ? as_int64(nbytes, &bad) : 0;
@@ -278,6 +279,7 @@ done:
     if (result == Py_None) Py_INCREF(Py_None);
     Py_XDECREF(offsets);
     Py_XDECREF(sizes);
+    Py_DECREF(tensors);
     free(ptrs);
     return result;
 }

@@ -7,6 +7,7 @@ the fault). It is built once per host, loaded at a mover's start, never mid-step
 """
 
 import logging
+import os
 import random
 import subprocess
 import sysconfig
@@ -26,8 +27,15 @@ from ecoffload.kernels.plan import plan_copy
 
 
 @pytest.fixture(scope="module")
-def c_pass():
+def c_module():
     return require_native()
+
+
+@pytest.fixture
+def c_pass(c_module, monkeypatch):
+    """The C pass, and plan_copy / the item layout using it whatever the environment says."""
+    monkeypatch.setattr(native, "planner", lambda: c_module)
+    return c_module
 
 
 def c_plan(c_pass, args, num_programs=8):
@@ -129,15 +137,64 @@ def test_entries_that_are_not_pairs_of_int64_are_refused(c_pass, entry):
     assert c_plan(c_pass, args) is None
 
 
-def test_lists_tuples_and_numpy_ints_plan_alike(c_pass):
+def test_lists_and_tuples_plan_alike(c_pass):
     offsets, sizes, tables, total = small.step(11)
     want = c_plan(c_pass, small.args_of(offsets, sizes, tables, total))
     assert want is not None
     assert c_plan(c_pass, small.args_of(tuple(offsets), tuple(sizes), tables, total)) == want
     as_lists = [[list(e) for e in t] for t in tables]
+    assert c_plan(c_pass, small.args_of(offsets, sizes, as_lists, total)) == want
+
+
+class Index:
+    """An int-like whose ``__index__`` runs code: here, code that empties a list the C pass
+    is reading (it must never run such code while it holds borrowed references)."""
+
+    def __init__(self, value, victim=None):
+        self.value, self.victim = value, victim
+
+    def __index__(self):
+        if self.victim is not None:
+            self.victim.clear()
+        return self.value
+
+
+def test_only_exact_ints_are_read_int_likes_go_to_python(c_pass):
+    offsets, sizes, tables, total = small.step(11)
+    want = plan_copy(offsets, sizes, tables, block_bytes=small.B, items_bytes=total,
+                     arena_bytes=small.BLOCKS * small.B, tile_bytes=1024)  # fmt: skip
     as_numpy = tuple(tuple((np.int64(s), np.int32(c)) for s, c in t) for t in tables)
-    for t in (as_lists, as_numpy):
-        assert c_plan(c_pass, small.args_of(offsets, sizes, t, total)) == want
+    assert c_plan(c_pass, small.args_of(offsets, sizes, as_numpy, total)) is None
+    got = plan_copy(offsets, sizes, as_numpy, block_bytes=small.B, items_bytes=total,
+                    arena_bytes=small.BLOCKS * small.B, tile_bytes=1024)  # fmt: skip
+    assert torch.equal(got.table, want.table)
+    pair = [Index(0), 1]
+    pair[0].victim = pair
+    tables = [[pair], [(2, 1)]]
+    sizes = [4096, Index(4096, victim=tables)]
+    assert c_pass.plan([0, 4096], sizes, tables, 4096, 8 * 4096, 8192, 1024, 0, 0, 1) is None
+    assert c_pass.plan([Index(0, victim=sizes), 4096], [4096, 4096], [[(0, 1)], [(1, 1)]], 4096,
+                       8 * 4096, 8192, 1024, 0, 0, 1) is None  # fmt: skip
+
+
+def test_a_table_too_large_to_allocate_is_a_memory_error_not_an_overflow(c_pass):
+    huge = 2**61
+    with pytest.raises(MemoryError):
+        c_pass.plan([0], [huge], [[(0, 1)]], huge, huge, huge, 1, 0, 0, huge)
+
+
+@pytest.mark.parametrize("items_bytes", [-(2**63), -1, 4096])
+def test_an_items_buffer_too_small_or_negative_is_the_loop_s_error(c_pass, items_bytes):
+    args = ([1], [4096], [[(0, 1)]], 4096, 1, items_bytes, 1024, 0, 0)
+    assert c_plan(c_pass, args) is None
+    with pytest.raises(PlanError, match=r"item 0: bytes \[1, 4097\) are not inside the items"):
+        plan_copy(*args[:3], block_bytes=4096, arena_bytes=4096, items_bytes=items_bytes)
+
+
+def test_arguments_that_are_not_ints_are_planned_in_python(c_pass):
+    got = plan_copy([0], [4096], [[(0, 1)]], block_bytes=4096, arena_bytes=4096,
+                    items_bytes=4096.0)  # fmt: skip
+    assert got.segments.tolist() == [[0, 0, 4096, 0]]
 
 
 def test_what_the_c_pass_refuses_to_read_the_python_passes_plan(c_pass):
@@ -272,10 +329,10 @@ def test_a_compiler_that_fails_is_named_with_its_output(fresh, monkeypatch, tmp_
     monkeypatch.setenv("CC", cc)
     with pytest.raises(native.NativeBuildError) as caught:
         native.load()
-    assert str(caught.value).startswith(f"{cc} -O2 -shared -fPIC -I")
+    assert str(caught.value).startswith(f"{cc} -O2 -DNDEBUG -fwrapv -shared -fPIC -I")
     assert str(caught.value).endswith(" exited 3: no room")
-    out = (tmp_path / "args").read_text().split()[-1]  # where it was told to write
-    assert out.startswith(str(fresh / ".plan_native-")) and out.endswith(".so")
+    out = Path((tmp_path / "args").read_text().split()[-1])  # where it was told to write
+    assert out.parent.parent == fresh and out.parent.name.startswith(".plan_native-")
     assert built(fresh) == []  # no partial module, no temp file
 
 
@@ -312,9 +369,45 @@ def test_the_compiler_is_cc_then_gcc_then_clang_on_path(monkeypatch, tmp_path):
         fake = tmp_path / name
         fake.write_text("#!/bin/sh\n")
         fake.chmod(0o755)
-        assert native.compiler() == str(fake)
-    monkeypatch.setenv("CC", "my-cc")
-    assert native.compiler() == "my-cc"
+        assert native.compiler() == [str(fake)]
+    monkeypatch.setenv("CC", "my-cc -pthread")  # split as a shell would
+    assert native.compiler() == ["my-cc", "-pthread"]
+
+
+def test_a_compiler_given_with_options_builds(fresh, monkeypatch):
+    real = native.compiler()[0]
+    monkeypatch.setenv("CC", f"{real} -pipe")
+    assert native.load().plan([], [], [], 1, 1, 0, 1, 0, 0, 1)[1] == 0
+
+
+def test_the_built_module_is_readable_by_everyone_the_umask_allows(fresh):
+    old = os.umask(0o022)
+    try:
+        path = Path(native.load().__file__)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o755  # not a temporary file's 0600
+
+
+def test_no_home_folder_means_python_planning_and_a_clear_reason(monkeypatch, caplog):
+    import pwd
+
+    for name in ("ECOFFLOAD_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_entry(uid):
+        raise KeyError(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    with pytest.raises(native.NativeBuildError, match="no home folder .*ECOFFLOAD_CACHE_DIR"):
+        native.cache_dir()
+    native.forget()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ecoffload.kernels.native"):
+            assert native.planner() is None
+    finally:
+        native.forget()
+    assert "no home folder" in caplog.records[0].getMessage()
 
 
 def test_the_cache_key_follows_the_compiler(monkeypatch):
@@ -393,9 +486,10 @@ def python_layout(tensors, monkeypatch):
 @pytest.mark.parametrize("seed", range(30))
 def test_the_item_layout_is_python_s(c_pass, seed, monkeypatch):
     tensors = tensors_of(seed)
-    assert c_pass.item_layout(tensors) is not None
-    base, offsets, sizes, span = api._item_layout(tensors)
+    lowest, *numbers = c_pass.item_layout(tensors)
     want_base, *want = python_layout(tensors, monkeypatch)
+    assert numbers == want
+    base, offsets, sizes, span = api._item_layout(tensors)
     assert [offsets, sizes, span] == want
     if want_base is None:
         assert base is None
@@ -417,6 +511,25 @@ def test_valid_layouts_never_reach_the_python_lines(c_pass, monkeypatch):
     for name in ("_is_contiguous", "_data_ptr", "_nbytes"):
         monkeypatch.setattr(api, name, lambda t: pytest.fail("laid out in Python"))
     assert list(api._item_layout(tensors)[1:]) == list(want)
+
+
+class Clearing(torch.Tensor):
+    """A tensor whose contiguity check empties the list being laid out."""
+
+    victim: list = []
+
+    def is_contiguous(self, *args, **kwargs):
+        Clearing.victim.clear()
+        return super().is_contiguous(*args, **kwargs)
+
+
+def test_a_list_emptied_while_it_is_laid_out_is_read_as_it_was(c_pass):
+    tensors = [torch.zeros(4), torch.zeros(8).as_subclass(Clearing), torch.zeros(2)]
+    Clearing.victim = tensors
+    snapshot = list(tensors)
+    lowest, offsets, sizes, span = c_pass.item_layout(tensors)
+    assert tensors == [] and sizes == [16, 32, 8]
+    assert snapshot[lowest].data_ptr() + span >= max(t.data_ptr() + t.nbytes for t in snapshot)
 
 
 @pytest.mark.parametrize(
