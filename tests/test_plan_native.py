@@ -111,13 +111,7 @@ def test_many_shuffled_extents_over_a_large_arena_are_checked_for_overlap(c_pass
 def test_every_faulty_step_is_refused_and_the_loop_names_it(c_pass, kind):
     args = small.one_fault(kind)
     assert c_plan(c_pass, args) is None
-    with pytest.raises(PlanError) as loop:
-        plan._segments_loop(*args)
-    offsets, sizes, tables, block, blocks, items_bytes, tile, _, _ = args
-    with pytest.raises(PlanError) as planned:
-        plan_copy(offsets, sizes, tables, block_bytes=block, arena_bytes=blocks * block,
-                  items_bytes=items_bytes, tile_bytes=tile)  # fmt: skip
-    assert str(planned.value) == str(loop.value)
+    small.assert_plan_copy_raises_the_loop_s_error(args)
 
 
 @pytest.mark.parametrize("kind", ["overlap", "too-long", "too-short", "outside"])

@@ -147,10 +147,7 @@ def test_the_fault_free_step_is_valid():
     agree(one_fault("none"))
 
 
-@pytest.mark.parametrize("kind", FAULTS)
-def test_every_faulty_step_goes_to_the_loop_which_names_it(kind):
-    args = one_fault(kind)
-    assert plan._segments_small(*args) is None
+def assert_plan_copy_raises_the_loop_s_error(args):
     with pytest.raises(PlanError) as loop:
         plan._segments_loop(*args)
     offsets, sizes, tables, block, blocks, items_bytes, tile, _, _ = args
@@ -158,6 +155,13 @@ def test_every_faulty_step_goes_to_the_loop_which_names_it(kind):
         plan_copy(offsets, sizes, tables, block_bytes=block, arena_bytes=blocks * block,
                   items_bytes=items_bytes, tile_bytes=tile)  # fmt: skip
     assert str(planned.value) == str(loop.value)
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+def test_every_faulty_step_goes_to_the_loop_which_names_it(kind):
+    args = one_fault(kind)
+    assert plan._segments_small(*args) is None
+    assert_plan_copy_raises_the_loop_s_error(args)
 
 
 def test_a_step_below_vectorise_from_is_planned_by_the_small_pass(monkeypatch):
