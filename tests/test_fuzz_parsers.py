@@ -346,7 +346,7 @@ def items_for(sizes):
     return [torch.randint(1, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
 
 
-@settings(max_examples=8 if MUTATION else 40, deadline=None,
+@settings(max_examples=8 if MUTATION else 60, deadline=None,
           phases=(Phase.explicit, Phase.generate) if MUTATION else tuple(Phase))  # fmt: skip
 @given(data=st.data())
 def _tables_property(backend, defect, data):
