@@ -1,7 +1,8 @@
 """The planner's C fast pass (``plan_native.c``): built once per host, loaded once per process.
 
 The copy planner's Python passes cost ~0.7 us of interpreter time per extent;
-``plan_native.c`` does the same work in ~10 ns. It is compiled on first use
+``plan_native.c`` does the same work in ~35 ns (measured: 670 us for 19,200 extents,
+most of it reading the extents out of Python tuples). It is compiled on first use
 with the host's C compiler against this Python's headers (the same toolchain
 Triton needs to launch its kernels on a GPU), into a cache folder, keyed by
 the hash of the source, the compiler and the Python build; later processes

@@ -34,7 +34,7 @@ access is a sticky "misaligned address" error on a GPU; the Triton
 interpreter never faults, so this is checked on addresses by the tests.
 
 Fast passes of one contract, and a reference. First choice, on every step:
-the C pass (``plan_native.c``, built and loaded by :mod:`.native`), ~10 ns
+the C pass (``plan_native.c``, built and loaded by :mod:`.native`), ~35 ns
 per extent. Where no C compiler works (or ``ECOFFLOAD_NATIVE_PLAN=0``), two
 Python passes chosen by size: one test per extent for steps of a few
 extents (numpy's per-call overhead would dominate there), and a vectorised
