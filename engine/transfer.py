@@ -167,9 +167,10 @@ class BlockMover:
         Runs when a mover is created (``warm_up=True``); kernel compile time is
         logged. Returns the variants compiled: none on CPU or the reference path.
         """
-        native.planner()  # every path plans (the reference path validates its tables)
         if self.device.type != "cuda" or self.path != "kernel":
+            native.planner()  # every path plans (the reference path validates its tables)
             return []
+        # The kernels' warm-up loads the C pass too.
         return warm_up(self.device, pack_config=self.pack_config,
                        unpack_config=self.unpack_config)  # fmt: skip
 

@@ -542,3 +542,14 @@ def test_what_the_c_layout_refuses_python_names(c_pass, odd):
     elif odd == "not a tensor":
         with pytest.raises(TypeError):
             api._item_layout(tensors)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_kernels_warm_up_loads_the_c_pass_for_any_device(fresh, monkeypatch, device):
+    """What a CUDA mover's warm-up relies on (it calls this, not native.planner)."""
+    loads = []
+    real = native.load
+    monkeypatch.setattr(native, "load", lambda: loads.append("load") or real())
+    monkeypatch.setattr(api, "compile_variants", lambda variants, dev: None)  # no GPU here
+    api.warm_up(torch.device(device))
+    assert loads == ["load"] and built(fresh)
