@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..profiling.nvtx import traced
+from ..kernels.nvtx import traced
 from .compat import ECConnectorBase, ECConnectorRole
 from .config import OffloadConfig
 from .scheduler_side import SchedulerSide

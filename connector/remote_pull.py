@@ -79,8 +79,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..engine.catalog import ItemState, item_crc32
+from ..engine.catalog import ItemState
 from ..engine.errors import CatalogError, RemoteError
+from ..engine.items import item_crc32
 from ..engine.remote import ArenaPeer, PeerCard, Pull, PullHandle
 from .config import NixlConfig
 

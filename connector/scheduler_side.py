@@ -48,7 +48,7 @@ from typing import Any
 
 from ..engine.errors import CatalogError, DuplicateItemError
 from ..engine.liveness import process_start_time
-from ..profiling.nvtx import nvtx_range
+from ..kernels.nvtx import nvtx_range
 from .compat import (
     encoder_row_bytes,
     idle_steps_reach_worker,
@@ -137,8 +137,6 @@ class SchedulerSide:
         )
         if not row_bytes or not rows:
             return  # size unknown yet: the worker reports it, the next item is saved
-        if self.catalog.allocator.ready_blocks < self.arena.num_blocks:  # still populating
-            self.catalog.allocator.add_ready(self.arena.ready_blocks)
         try:
             with nvtx_range("ecoffload.reserve"):
                 entry = self.catalog.reserve(key, rows * row_bytes)

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from typing import Any
 
+from ..engine import shared_cache
 from ..engine.arena import Arena, RegisterMode
-from ..engine.shared_catalog import SharedCatalog, meta_bytes
+from ..engine.shared_catalog import SharedCatalog
 from .config import OffloadConfig
-
-log = logging.getLogger(__name__)
 
 
 def layout_key(vllm_config: Any) -> dict[str, str]:
@@ -40,12 +38,13 @@ def default_arena_name(vllm_config: Any) -> str:
 def open_shared_arena(
     config: OffloadConfig, vllm_config: Any, *, register_cuda: RegisterMode
 ) -> Arena:
-    """Create the host's arena for this model, or join the one another process made.
+    """Create the host's arena for this model, or join the one another process made
+    (:func:`ecoffload.engine.shared_cache.open_shared_arena` with this config).
 
     The file stays while any process holds it (or always, ``persistent``); a
     joiner takes the size the first process chose.
     """
-    return Arena.open_shared(
+    return shared_cache.open_shared_arena(
         config.arena_name,
         block_bytes=config.block_bytes,
         num_blocks=config.num_blocks,
@@ -53,24 +52,10 @@ def open_shared_arena(
         directory=config.arena_dir,
         register_cuda=register_cuda,
         populate=config.populate,
-        meta_bytes=meta_bytes(config.num_blocks, config.block_bytes),
         persistent=config.persistent,
-        on_warm_start=_verify,
     )
-
-
-def _verify(arena: Arena) -> None:
-    """A persistent arena nobody held: check its catalog (and CRCs) before serving."""
-    with SharedCatalog.for_arena(arena) as catalog:
-        dropped = catalog.verify(arena.host.numpy())
-        log.info("ecoffload: warm start from %s: %d items kept, %d dropped by verification",
-                 arena.path, len(catalog), dropped)  # fmt: skip
 
 
 def open_catalog(arena: Arena) -> SharedCatalog:
     """The catalog in ``arena``'s metadata region (closes the arena if it cannot open)."""
-    try:
-        return SharedCatalog.for_arena(arena)
-    except BaseException:
-        arena.close()
-        raise
+    return shared_cache.open_catalog(arena)

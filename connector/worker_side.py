@@ -32,9 +32,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..engine.cache import dtype_from_name, dtype_name
-from ..engine.catalog import item_crc32
 from ..engine.errors import ArenaError, CatalogError
+from ..engine.items import dtype_from_name, dtype_name, item_crc32
 from ..engine.transfer import BlockMover, Completion, split_completed
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG
 from .compat import is_writer_rank, worker_device

@@ -7,7 +7,7 @@ Life cycle::
     open(O_CREAT|O_EXCL|O_NOFOLLOW, 0600)
     ftruncate, mmap(MAP_SHARED)
     write header fields, then the magic       attach(): wait (bounded) for a valid
-    populate (see below)                      header, check every field, count itself
+    populate (populate.py)                    header, check every field, count itself
     ... name unlinked when `processes` processes have attached, or at the
         creator's close: a crash can leave no file behind once all have mapped it ...
 

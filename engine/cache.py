@@ -50,11 +50,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..profiling.nvtx import nvtx_range
+from ..kernels.nvtx import nvtx_range
 from .allocator import BlockAllocator
 from .arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
-from .catalog import Catalog, CatalogStats, item_crc32
-from .shared_catalog import SharedCatalog, meta_bytes
+from .catalog import Catalog, CatalogStats
+from .catalog_protocol import CatalogProtocol
+from .items import dtype_from_name, dtype_name, item_crc32
+from .shared_cache import open_catalog, open_shared_arena
+from .shared_catalog import SharedCatalog
 from .sizes import parse_bytes
 from .transfer import BlockMover, Completion, split_completed
 
@@ -72,17 +75,6 @@ class SaveResult:
     no_room: list[str] = field(default_factory=list)  # arena full of pinned/in-flight items
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype name (e.g. 'bfloat16')")
-    return dtype
-
-
 class OffloadCache:
     """An arena, its catalog and a mover, in one process."""
 
@@ -92,7 +84,7 @@ class OffloadCache:
         device: torch.device | str | None = None,
         *,
         integrity: bool = False,
-        catalog: Catalog | SharedCatalog | None = None,
+        catalog: CatalogProtocol | None = None,
     ) -> None:
         self.arena = arena
         self.integrity = integrity
@@ -101,6 +93,7 @@ class OffloadCache:
             catalog = Catalog(
                 BlockAllocator(arena.num_blocks, arena.block_bytes, arena.ready_blocks)
             )
+        catalog.follow_ready(lambda: arena.ready_blocks)  # reservations see populate's progress
         self.catalog = catalog
         self.mover = BlockMover(arena, device)
         self.device = self.mover.device
@@ -142,29 +135,12 @@ class OffloadCache:
         if persistent and not shared:
             raise ValueError("persistent=True needs shared=True: only a shared arena outlives it")
         if shared:
-            num_blocks = max(1, total // block)
-
-            def verify(arena: Arena) -> None:  # runs while no other process can open it
-                with SharedCatalog.for_arena(arena, max_items=max_items) as catalog:
-                    catalog.verify(arena.host.numpy())
-
-            arena = Arena.open_shared(
-                name,
-                block_bytes=block,
-                num_blocks=num_blocks,
-                layout_key=layout_key,
-                directory=directory,
-                register_cuda=register_cuda,
-                populate=populate,
-                meta_bytes=meta_bytes(num_blocks, block, max_items),
-                persistent=persistent,
-                on_warm_start=verify,
-            )
-            try:
-                catalog = SharedCatalog.for_arena(arena, max_items=max_items)
-            except BaseException:
-                arena.close()
-                raise
+            arena = open_shared_arena(
+                name, block_bytes=block, num_blocks=max(1, total // block),
+                layout_key=layout_key, directory=directory, register_cuda=register_cuda,
+                populate=populate, persistent=persistent, max_items=max_items,
+            )  # fmt: skip
+            catalog = open_catalog(arena, max_items=max_items)
             return cls(arena, device, integrity=integrity, catalog=catalog)
         arena = Arena.create(
             name,
@@ -188,8 +164,6 @@ class OffloadCache:
         """
         with nvtx_range("ecoffload.cache.save"):
             self.poll()
-            if self.catalog.allocator.ready_blocks < self.arena.num_blocks:
-                self.catalog.allocator.add_ready(self.arena.ready_blocks)
             result, sources, tables = SaveResult(), [], []
             result.already_cached = [k for k in items if self.catalog.state(k) is not None]
             ready = [k for k in result.already_cached if k in self.catalog]

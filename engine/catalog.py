@@ -25,13 +25,13 @@ Plain Python on purpose: no torch import.
 from __future__ import annotations
 
 import enum
-import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .allocator import BlockAllocator, Extent
 from .errors import DuplicateItemError, ItemStateError, UnknownItemError
+from .items import item_crc32  # noqa: F401 - its old home; engine/items.py owns it
 
 
 class ItemState(enum.Enum):
@@ -55,18 +55,6 @@ class Entry:
 
     def __post_init__(self) -> None:
         self.blocks = sum(count for _, count in self.extents)
-
-
-def item_crc32(data, extents: Iterable[tuple[int, int]], block_bytes: int, nbytes: int) -> int:
-    """CRC-32 of an item's bytes in an arena's data area (``data``: any buffer of it):
-    its extents in order, the last one cut at ``nbytes`` (padding excluded)."""
-    view = memoryview(data).cast("B")
-    crc, left = 0, nbytes
-    for start, count in extents:
-        take = min(count * block_bytes, left)
-        crc = zlib.crc32(view[start * block_bytes : start * block_bytes + take], crc)
-        left -= take
-    return crc
 
 
 @dataclass
@@ -94,6 +82,12 @@ class Catalog:
         self._lru: OrderedDict[str, None] = OrderedDict()  # READY keys, oldest first
         self._evictable_blocks = 0  # blocks of READY, unpinned items
         self._stats = CatalogStats()
+        self._ready_of: Callable[[], int] | None = None
+
+    def follow_ready(self, ready_of: Callable[[], int]) -> None:
+        """Before each reservation while blocks are still unready, raise the ready
+        blocks to ``ready_of()`` (the arena's populate progress): callers need not."""
+        self._ready_of = ready_of
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -134,6 +128,8 @@ class Catalog:
                 "look it up instead of saving it again, or evict it first"
             )
         alloc = self.allocator
+        if self._ready_of is not None and alloc.ready_blocks < alloc.num_blocks:
+            alloc.add_ready(self._ready_of())
         need = alloc.blocks_for(nbytes)
         if need > alloc.free_blocks:
             if alloc.free_blocks + self._evictable_blocks < need:

@@ -143,6 +143,8 @@ class SharedCatalog(
         dt_name, dt0, dt1 = dtype_words(dtype)
         need = self._blocks_for(nbytes)
         h = zlib.crc32(kb)
+        if self._ready_of is not None and self._w[H_READY_BLOCKS] < self.layout.num_blocks:
+            self.add_ready(self._ready_of())  # the arena is still populating
         w = self._enter()
         try:
             s = self._find(kb, h)

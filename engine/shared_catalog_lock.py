@@ -7,7 +7,7 @@ threads of one process, catalog objects of one process and processes all
 exclude each other with it alone. When its holder dies (process or thread),
 the kernel marks the mutex's futex word OWNER_DIED, and the next locker gets
 ``EOWNERDEAD``: it marks the mutex consistent at once (the data's own
-consistency is the ``dirty`` word's business) counts the death and goes on,
+consistency is the ``dirty`` word's business), counts the death and goes on,
 recovering if ``dirty`` is set. A mutex unlocked while inconsistent would
 refuse every process forever (``ENOTRECOVERABLE``), so no path unlocks before
 ``pthread_mutex_consistent``; should a foreign process do it anyway,

@@ -27,9 +27,9 @@ import zlib
 import numpy as np
 
 from .allocator import blocks_for
-from .catalog import item_crc32
 from .errors import InvalidSizeError
 from .fault_points import fault
+from .items import item_crc32
 from .liveness import alive
 from .shared_catalog_format import (
     FREE,

@@ -17,6 +17,8 @@ import fcntl
 import logging
 import mmap
 import os
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import robust_mutex
@@ -107,6 +109,7 @@ class CatalogRegion:
         self._identify()
         self._seen: dict[str, SharedEntry] = {}  # key -> this object's entry of it
         self._last_reap = 0.0
+        self._ready_of: Callable[[], int] | None = None  # see follow_ready
         self.local = CatalogStats()  # this object's own hits and misses
         wanted = (num_blocks, block_bytes, max_items, max_key_bytes, max_pins)
         ofd_lock(self._fd, fcntl.F_WRLCK, offset, wait=True)  # the region's first byte
@@ -159,9 +162,18 @@ class CatalogRegion:
                 "meta_bytes=shared_catalog.meta_bytes(...)"
             )
         layout.setdefault("ready_blocks", arena.ready_blocks)
-        return cls(arena.fileno(), arena.meta_offset, arena.meta_bytes,
-                   num_blocks=arena.num_blocks, block_bytes=arena.block_bytes,
-                   path=arena.path, **layout)  # fmt: skip
+        catalog = cls(arena.fileno(), arena.meta_offset, arena.meta_bytes,
+                      num_blocks=arena.num_blocks, block_bytes=arena.block_bytes,
+                      path=arena.path, **layout)  # fmt: skip
+        ref = weakref.ref(arena)  # the catalog must not keep the arena alive
+        catalog.follow_ready(lambda: 0 if (a := ref()) is None else a.ready_blocks)
+        return catalog
+
+    def follow_ready(self, ready_of: Callable[[], int]) -> None:
+        """Before each reservation while blocks are still unready, raise the ready
+        watermark to ``ready_of()`` (the arena's populate progress; :meth:`for_arena`
+        sets it): callers need not call :meth:`add_ready`."""
+        self._ready_of = ready_of
 
     def close(self) -> None:
         """Unmap the region and close the catalog's file description (idempotent).

@@ -51,7 +51,7 @@ from ..kernels import (
     unpack,
     warm_up,
 )
-from ..profiling.nvtx import nvtx_range
+from ..kernels.nvtx import nvtx_range
 from .arena import Arena
 
 Extents = Sequence[tuple[int, int]]

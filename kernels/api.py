@@ -26,9 +26,9 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from ..profiling.nvtx import nvtx_range
 from . import native
 from .block_copy import KernelVariant, _block_copy_kernel, compile_variants, launch_block_copy
+from .nvtx import nvtx_range
 from .plan import VEC_WIDTHS, CopyPlan, Extents, PlanError, plan_copy
 from .reference import byte_view, reference_pack, reference_unpack
 

@@ -107,7 +107,7 @@ def nvtx_timeline(monkeypatch):
     it opens, "end" when it closes (the nvtx package itself is not needed)."""
     import contextlib
 
-    from ecoffload.profiling import nvtx
+    from ecoffload.kernels import nvtx
 
     timeline = []
 

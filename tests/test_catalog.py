@@ -1,6 +1,8 @@
-"""The catalog protocol, run against both implementations: the in-process
-:class:`Catalog` and the :class:`SharedCatalog` in a file's metadata region."""
+"""The catalog protocol (:class:`~ecoffload.engine.catalog_protocol.CatalogProtocol`),
+run against both implementations: the in-process :class:`Catalog` and the
+:class:`SharedCatalog` in a file's metadata region."""
 
+import inspect
 import os
 
 import pytest
@@ -8,6 +10,7 @@ import pytest
 from ecoffload.engine import shared_catalog
 from ecoffload.engine.allocator import BlockAllocator
 from ecoffload.engine.catalog import Catalog, ItemState
+from ecoffload.engine.catalog_protocol import CatalogProtocol
 from ecoffload.engine.errors import (
     DuplicateItemError,
     InvalidSizeError,
@@ -19,14 +22,15 @@ from ecoffload.engine.errors import (
 B = 4096
 
 
-def open_shared(path, blocks, **layout) -> shared_catalog.SharedCatalog:
+def open_shared(path, blocks, ready_blocks=None, **layout) -> shared_catalog.SharedCatalog:
     """A shared catalog in a fresh file of its own (metadata region only)."""
     size = shared_catalog.meta_bytes(blocks, B, **layout)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
         return shared_catalog.SharedCatalog(fd, 0, size, num_blocks=blocks, block_bytes=B,
-                                            path=str(path), **layout)  # fmt: skip
+                                            path=str(path), ready_blocks=ready_blocks,
+                                            **layout)  # fmt: skip
     finally:
         os.close(fd)
 
@@ -35,16 +39,50 @@ def open_shared(path, blocks, **layout) -> shared_catalog.SharedCatalog:
 def make(request, tmp_path):
     opened = []
 
-    def make_(blocks=10):
+    def make_(blocks=10, ready_blocks=None):
         if request.param == "local":
-            return Catalog(BlockAllocator(blocks, B))
-        opened.append(open_shared(tmp_path / f"catalog-{len(opened)}", blocks))
+            return Catalog(BlockAllocator(blocks, B, ready_blocks))
+        opened.append(open_shared(tmp_path / f"catalog-{len(opened)}", blocks,
+                                  ready_blocks=ready_blocks))  # fmt: skip
         return opened[-1]
 
     yield make_
     for c in opened:
         c.check()
         c.close()
+
+
+PROTOCOL_METHODS = [
+    name for name, value in vars(CatalogProtocol).items()
+    if callable(value) and (not name.startswith("_") or name in ("__len__", "__contains__"))
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("method", PROTOCOL_METHODS)
+def test_both_catalogs_accept_every_call_the_protocol_allows(make, method):
+    c = make()
+    assert isinstance(c, CatalogProtocol)
+    want = inspect.signature(getattr(CatalogProtocol, method))
+    got = inspect.signature(getattr(type(c), method))
+    for name, param in want.parameters.items():  # same names, kinds and defaults
+        assert name in got.parameters, f"{type(c).__name__}.{method} lacks {name!r}"
+        impl = got.parameters[name]
+        assert impl.kind == param.kind and impl.default == param.default, (method, impl)
+    extra = [p for n, p in got.parameters.items() if n not in want.parameters]
+    assert all(p.default is not p.empty for p in extra), f"{method}: required extras {extra}"
+
+
+def test_reservations_follow_the_ready_prefix_they_are_given(make):
+    c = make(blocks=8, ready_blocks=2)
+    ready = [2]
+    c.follow_ready(lambda: ready[0])
+    assert c.reserve("big", 3 * B) is None  # only 2 blocks are ready: refused, not an error
+    ready[0] = 6  # the arena's populate went on: the next reservation sees it
+    e = c.reserve("big", 3 * B)
+    assert e is not None and all(s + n <= 6 for s, n in e.extents)
+    assert c.stats().ready_blocks == 6 and c.allocator.ready_blocks == 6
+    c.commit("big")
+    c.check()
 
 
 def test_two_phase_commit_hides_writing_items(make):
@@ -260,7 +298,7 @@ def test_nested_pins_release_the_blocks_once(make):
 def test_item_crc32_covers_every_extent_in_order_and_stops_at_the_item_s_end():
     import zlib
 
-    from ecoffload.engine.catalog import item_crc32
+    from ecoffload.engine.items import item_crc32
 
     block = 16
     data = bytearray(range(256)) * 2  # 32 blocks; bytes past an item's end are not zero

@@ -4,7 +4,7 @@ import pytest
 
 from ecoffload.engine.errors import ConfigError
 from ecoffload.engine.sizes import format_bytes, parse_bytes
-from ecoffload.profiling import nvtx as nv
+from ecoffload.kernels import nvtx as nv
 
 
 @pytest.mark.parametrize(

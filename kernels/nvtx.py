@@ -3,7 +3,9 @@
 Off by default and free when off: ``nvtx_range(name)`` then returns one shared
 no-op context manager. Enable with ``ECOFFLOAD_NVTX=1`` (read at import) or
 :func:`set_enabled`. The ``nvtx`` package is optional: without it, ranges
-stay off and a warning says why.
+stay off and a warning says why. It lives in the lowest layer (kernels/) so the
+kernels, the engine and the connector can all mark ranges without importing
+upwards.
 
     nsys profile -t cuda,nvtx env ECOFFLOAD_NVTX=1 python -m ecoffload.profiling.bench
 """
