@@ -234,8 +234,12 @@ class WorkerSide:
         for done, _ in self._pending_saves + self._pending_loads:
             done.wait()
         finished = ECOffloadWorkerMetadata()
-        for _, batch in self._pending_saves:  # complete now: publish them
+        saved, unfinished = split_completed(self._pending_saves)
+        for batch in saved:  # complete now: publish them
             self._commit(batch, finished)
+        if unfinished:  # never published: their reservations are reaped once we are gone
+            log.warning("ecoffload: %d save(s) never completed their copy; not publishing them",
+                        sum(len(batch) for _, batch in unfinished))  # fmt: skip
         self._pending_saves, self._pending_loads = [], []
         if self.catalog is not None:
             self.catalog.close()

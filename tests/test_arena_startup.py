@@ -1,7 +1,7 @@
 """Arena start-up (issue 11): background populate, the ready prefix, per-chunk
 registration, and their faults.
 
-Populate is slowed down by wrapping ``arena._fault`` (one call per chunk), so
+Populate is slowed down by wrapping ``populate.prefault`` (one call per chunk), so
 the states in between (some blocks ready, some not) last long enough to test.
 """
 
@@ -119,6 +119,32 @@ def test_background_returns_with_the_first_chunk_ready_then_fills_in_order(
         while populate_threads() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not populate_threads()  # the threads end when the work does
+
+
+def test_the_ready_prefix_never_passes_a_chunk_still_being_faulted(arena_dir, monkeypatch):
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", B)  # chunk i = block i
+    real, release, faulted = populate_mod.prefault, threading.Event(), []
+
+    def fault(mm, base, offset, size, path):
+        if faulted and offset == faulted[0] + B:  # chunk 1 (chunk 0 ran in create)
+            assert release.wait(30), "the test never released chunk 1"
+        real(mm, base, offset, size, path)
+        faulted.append(offset)
+
+    monkeypatch.setattr(populate_mod, "prefault", fault)
+    a = Arena.create("a", block_bytes=B, num_blocks=6, directory=arena_dir,
+                     register_cuda="never", populate="background", populate_threads=2)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while len(faulted) < 5 and time.monotonic() < deadline:  # all but chunk 1 done
+            time.sleep(0.005)
+        assert len(faulted) == 5, f"the other thread faulted only {faulted}"
+        assert a.ready_bytes == B and a.ready_blocks == 1  # chunk 1 holds the prefix back
+        release.set()
+        assert a.wait_ready(30) and a.ready_blocks == 6
+    finally:
+        release.set()
+        a.close()
 
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])

@@ -103,3 +103,31 @@ def test_worker_killed_mid_save_never_publishes_the_item(pair):
         send_report(sched, report)
         assert sched.side.catalog.state("img") is ItemState.WRITING
         assert not sched.has_cache_item("img")
+
+
+def test_shutdown_publishes_a_save_only_after_its_copy_completed(pair):
+    sched, worker = pair
+    catalog = sched.side.catalog
+    gate = CopyGate.install(worker.side.mover)
+    src = encoder_output(5, 4)
+    schedule(sched, make_request("r1", [("img", 5)]))
+    send_report(sched, worker_step(worker, empty_step(sched), {}, {"img": src}))
+    assert len(gate.in_flight) == 1 and catalog.state("img") is ItemState.WRITING
+    worker.shutdown()  # waits for the copy, then publishes it
+    assert not gate.in_flight and catalog.state("img") is ItemState.READY
+    entry = catalog.entry("img")
+    host = sched.side.arena.host
+    block = sched.side.arena.block_bytes
+    got = torch.cat([host[s * block : (s + n) * block] for s, n in entry.extents])
+    assert torch.equal(got[: entry.nbytes], src.view(torch.uint8).flatten())
+
+
+def test_shutdown_never_publishes_a_save_whose_copy_never_completed(pair):
+    sched, worker = pair
+    gate = CopyGate.install(worker.side.mover)
+    schedule(sched, make_request("r1", [("img", 5)]))
+    send_report(sched, worker_step(worker, empty_step(sched), {}, {"img": encoder_output(5, 5)}))
+    gate.kill()  # its copy will never complete: the wait returns, the event says no
+    worker.shutdown()
+    assert sched.side.catalog.state("img") is ItemState.WRITING  # reaped once the writer is gone
+    assert not sched.has_cache_item("img")
