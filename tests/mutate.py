@@ -40,6 +40,26 @@ CONNECTOR_TESTS = [
     # the scheduler while the arena is still populating (reservations wait for ready blocks)
     "tests/test_arena_startup.py::test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness",
 ]
+ARENA_MODULES = ("arena", "arena_format", "arena_lifetime", "arena_registration", "populate",
+                 "janitor", "liveness")  # fmt: skip
+ARENA_TESTS = [
+    "tests/test_arena.py",
+    "tests/test_arena_shared.py",
+    "tests/test_arena_startup.py",
+    "tests/test_cuda_host.py",
+    "tests/test_fuzz_parsers.py::test_any_arena_header_attaches_or_raises_arena_error",
+]
+SHARED_CATALOG_MODULES = (
+    "shared_catalog", "shared_catalog_format", "shared_catalog_lock", "shared_catalog_region",
+    "shared_catalog_reads", "shared_catalog_pins", "shared_catalog_lru",
+    "shared_catalog_extents", "shared_catalog_recovery", "shared_catalog_check", "robust_mutex",
+)  # fmt: skip
+SHARED_CATALOG_TESTS = [
+    "tests/test_catalog.py",
+    "tests/test_shared_catalog.py",
+    "tests/test_shared_catalog_lock.py",
+    "tests/test_shared_catalog_stateful.py",
+]
 # module -> the fast tests that exercise it
 MODULES: dict[str, list[str]] = {
     "kernels/plan.py": [
@@ -79,6 +99,11 @@ MODULES: dict[str, list[str]] = {
     ],
     "connector/scheduler_side.py": CONNECTOR_TESTS,
     "connector/worker_side.py": CONNECTOR_TESTS,
+    # the modules of issue 22's split (arena.py, shared_catalog.py before it)
+    **{f"engine/{name}.py": ARENA_TESTS for name in ARENA_MODULES},
+    **{f"engine/{name}.py": SHARED_CATALOG_TESTS for name in SHARED_CATALOG_MODULES},
+    "engine/items.py": ["tests/test_catalog.py", "tests/test_integrity.py"],
+    "engine/shared_cache.py": ["tests/test_cache.py", "tests/test_connector_contract.py"],
 }
 KILLED = {1, 3}
 TIMEOUT = {-24, 24, 36, 152, 255, -9}  # the CPU-time limit (SIGXCPU, then SIGKILL): loops or stalls
