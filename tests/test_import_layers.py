@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -76,3 +78,15 @@ def test_the_walk_sees_an_upward_import(tmp_path, layer, source, upward):
     (tmp_path / layer / "probe.py").write_text(source)
     found = upward_imports(tmp_path)
     assert bool(found) == upward, found
+
+
+def test_the_plugin_and_the_config_import_no_torch():
+    # vLLM loads the plugin in every process before it parses its arguments: the
+    # config check must not pull torch (or the arena) in with it.
+    code = (
+        "import sys, ecoffload.connector.plugin, ecoffload.connector.config\n"
+        "heavy = sorted(m for m in ('torch', 'ecoffload.engine.arena') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
