@@ -41,6 +41,21 @@ def blocks_for(nbytes: int, block_bytes: int) -> int:
     return -(-nbytes // block_bytes)
 
 
+def item_blocks(nbytes: int, block_bytes: int, num_blocks: int) -> int:
+    """Blocks an item of ``nbytes`` bytes needs in an arena of ``num_blocks``: an
+    InvalidSizeError for a size that is no positive int, ItemTooLargeError past the arena."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise InvalidSizeError(f"item size must be a positive int number of bytes, got {nbytes!r}")
+    need = blocks_for(nbytes, block_bytes)
+    if need > num_blocks:
+        raise ItemTooLargeError(
+            f"item of {nbytes} bytes needs {need} blocks of {block_bytes} bytes, "
+            f"the arena has {num_blocks} in all: give the arena more bytes "
+            "or do not offload items this large"
+        )
+    return need
+
+
 class BlockAllocator:
     """Extent allocator over ``num_blocks`` blocks of ``block_bytes`` bytes."""
 
@@ -83,18 +98,7 @@ class BlockAllocator:
 
     def blocks_for(self, nbytes: int) -> int:
         """Blocks needed by an item of ``nbytes`` bytes, after validating the size."""
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
-            raise InvalidSizeError(
-                f"item size must be a positive int number of bytes, got {nbytes!r}"
-            )
-        need = blocks_for(nbytes, self.block_bytes)
-        if need > self.num_blocks:
-            raise ItemTooLargeError(
-                f"item of {nbytes} bytes needs {need} blocks of {self.block_bytes} bytes, "
-                f"the arena has {self.num_blocks} in all: give the arena more bytes "
-                "or do not offload items this large"
-            )
-        return need
+        return item_blocks(nbytes, self.block_bytes, self.num_blocks)
 
     def alloc(self, nbytes: int) -> list[Extent] | None:
         """Extents covering ``nbytes`` bytes, or None (and no change) if they do not fit."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import zlib
 
-from .allocator import Extent, blocks_for
+from .allocator import Extent, item_blocks
 from .catalog import CatalogStats, ItemState
-from .errors import InvalidSizeError, ItemStateError, ItemTooLargeError, UnknownItemError
+from .errors import ItemStateError, UnknownItemError
 from .shared_catalog_format import (
     FREE,
     H_BYTES_EVICTED,
@@ -74,19 +74,8 @@ class Reads:
         return self._w[H_LOCK_DEATHS]
 
     def _blocks_for(self, nbytes: int) -> int:
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
-            raise InvalidSizeError(
-                f"item size must be a positive int number of bytes, got {nbytes!r}"
-            )
         lay = self.layout
-        need = blocks_for(nbytes, lay.block_bytes)
-        if need > lay.num_blocks:
-            raise ItemTooLargeError(
-                f"item of {nbytes} bytes needs {need} blocks of {lay.block_bytes} bytes, "
-                f"the arena has {lay.num_blocks} in all: give the arena more bytes "
-                "or do not offload items this large"
-            )
-        return need
+        return item_blocks(nbytes, lay.block_bytes, lay.num_blocks)
 
     def _find(self, kb: bytes, h: int) -> int:
         w, k, mk, sl = self._w, self._k, self._mkey, self._sl
