@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 from . import robust_mutex
 from .errors import CatalogLockError
@@ -40,8 +41,17 @@ log = logging.getLogger(__package__ + ".shared_catalog")
 _WAIT_SLICE_S = 0.2  # a blocked locker returns to Python this often (signals, warnings)
 _WAIT_WARN_S = 10.0  # then every minute
 
-_forks = [0]  # bumped in every forked child: a catalog object then learns its pid again
-os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+# Every live catalog object: a forked child's copies learn their pid again at the fork
+# (the mutex needs no new descriptor), so no operation has to ask whether it forked.
+_catalogs: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for catalog in list(_catalogs):
+        catalog._identify()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 if robust_mutex.PT is not None:
     _trylock, _unlock = robust_mutex.trylock, robust_mutex.unlock
 
@@ -53,17 +63,15 @@ class LockProtocol:
 
     def _identify(self) -> None:
         """Who this process is (pid, start time), for dirty marks, pins and reservations:
-        at first use and again in a forked child (the mutex needs no new descriptor)."""
-        self._forked = _forks[0]
+        at open and again in a forked child (the mutex needs no new descriptor)."""
         pid = os.getpid()
         self._pid, self._start = pid, process_start_time(pid) or 0
+        _catalogs.add(self)
 
     def _enter(self, update: bool = True, recover: bool = True) -> memoryview:
         """Take the mutex for this thread; rebuild first if the last updater died inside
         an update (``recover``); mark the catalog dirty (``update``). The region's words.
         """
-        if _forks[0] != self._forked:
-            self._identify()
         rc = _trylock(self._mx)
         if rc:
             self._lock_slow(rc)

@@ -70,7 +70,13 @@ class Pins:
             b = self._sl + s * SLOT_WORDS
             if s < 0 or w[b + S_GEN] != entry.generation or w[b + S_STATE] != READY:
                 s = self._expect(key, READY, "unpin")
-            r = self._my_pin(s)
+            pn, pid, start = self._pn, self._pid, self._start
+            r = w[self._sl + s * SLOT_WORDS + S_PIN_HEAD]
+            while r >= 0:  # this process's record (_my_pin, inlined: the hot path)
+                p = pn + r * PIN_WORDS
+                if w[p + P_PID] == pid and w[p + P_START] == start:
+                    break
+                r = w[p + P_NEXT]
             if r < 0:
                 raise self._not_pinned(key, s, 0)
             self._unpin_slot(s, r)
