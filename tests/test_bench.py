@@ -2,6 +2,7 @@
 rows say which path they measured, and bench.json is written whatever fails."""
 
 import json
+import pathlib
 import types
 
 import pytest
@@ -145,3 +146,21 @@ def test_bench_host_rows_cover_each_step_both_ways():
         (d, n) for n in (16, 2000, 19200) for d in ("save", "load")
     ]
     assert all(r["before_us"] > 0 and r["now_us"] > 0 for r in rows)
+
+
+def test_the_catalog_a_b_bench_compares_two_checkouts_operation_by_operation(tmp_path):
+    from ecoffload.profiling import bench_catalog_ab
+
+    root = pathlib.Path(bench_catalog_ab.__file__).resolve().parents[1]
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "ecoffload").symlink_to(root)  # this checkout against itself
+    base = bench_catalog_ab._import_base(str(tmp_path / "base"))
+    assert base.__name__ == "ecoffload_base.engine.shared_catalog"
+    assert base.SharedCatalog is not bench_catalog_ab.shared_catalog.SharedCatalog
+    rows = bench_catalog_ab.compare(base, resident=256, rounds=2)
+    assert [op for op, *_ in rows] == [
+        "lookup (hit)", "lookup (miss)", "pin + unpin", "lookup(pin=True) + unpin",
+        "reserve + commit (evicts)", "pin_many + unpin_many, 16 keys",
+    ]  # fmt: skip
+    for _, b, n, ratios in rows:
+        assert b > 0 and n > 0 and len(ratios) == 2 and all(r > 0 for r in ratios)
