@@ -217,6 +217,14 @@ class Server:
             ) from None
         return time.monotonic() - t0
 
+    def processes(self) -> list[int]:
+        """The server's main process and every process below it (from /proc)."""
+        return process_tree(self.proc.pid)
+
+    def shm_held(self) -> set[str]:
+        """Names in /dev/shm its processes hold open or mapped now (vLLM's queues, the arena)."""
+        return {os.path.basename(p) for pid in self.processes() for p in shm_paths_of(pid)}
+
     def group_alive(self) -> bool:
         """Whether any process of the server's process group is still running."""
         try:
@@ -371,6 +379,40 @@ def tiny_model() -> Iterator[str]:
 def shm_entries() -> set[str]:
     """Names in /dev/shm now (empty where it does not exist)."""
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def shm_paths_of(pid: int) -> set[str]:
+    """Paths under /dev/shm that process ``pid`` has open or mapped (empty once it is gone)."""
+    paths: set[str] = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    paths.add(target)
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
+                paths.add(fields[5])
+    return paths
 
 
 def shm_inodes_in_use() -> set[int]:
