@@ -6,13 +6,13 @@ Nothing here changes an arena, and nothing waits on one longer than a lookup:
   and the catalog's counters without any lock (a value may be one update
   old) and find holders in ``/proc`` (every process with the file open or
   mapped, by device and inode).
-* :meth:`CatalogSnapshot.take` copies the catalog's metadata region while
-  holding the catalog's lock for that copy only (one ``memcpy`` of the region,
-  as long as a lookup of a few items: a few ms for a 73 MiB region), then
-  works on the copy: items by state, pins and their owners, LRU ages,
-  producers, free extents. A lock whose holder died is taken over as any
-  locker would (counted in the catalog's ``lock_deaths``); the rest of the
-  catalog is never written.
+* :meth:`CatalogSnapshot.take` copies the catalog's metadata region without
+  its lock (two equal copies in a row: no update ran), or, on an arena too
+  busy for that, under the lock for one copy only; everything else works on
+  the copy: items by state, pins and their owners, LRU ages, producers, free
+  extents. A lock whose holder died is then taken over as any locker would
+  (counted in the catalog's ``lock_deaths``); the rest of the catalog is never
+  written.
 * :meth:`CatalogSnapshot.verify` runs what a warm restart of a persistent
   arena runs (``SharedCatalog`` open: recovery of a dirty catalog, release of
   dead processes' reservations and pins; ``verify``: the CRC-32 of every item
@@ -303,16 +303,25 @@ class CatalogSnapshot:
     """A copy of an arena's catalog region, taken under its lock; everything else is
     read from the copy."""
 
-    def __init__(self, path: str, region: bytes) -> None:
+    def __init__(self, path: str, region: bytes, *, locked: bool) -> None:
         self.path, self.region = path, region
+        self.locked = locked  # whether the copy was taken under the catalog's lock
         words = np.frombuffer(region, dtype="<i8")
         self._words = words
         fields = (H_NUM_BLOCKS, H_BLOCK_BYTES, H_MAX_ITEMS, H_MAX_KEY, H_MAX_PINS)
         self.layout = Layout(*(int(words[i]) for i in fields))
 
     @classmethod
-    def take(cls, path: str) -> CatalogSnapshot:
-        """Copy the catalog region of arena file ``path``, holding its lock for the copy."""
+    def take(cls, path: str, *, tries: int = 3) -> CatalogSnapshot:
+        """Copy the catalog region of arena file ``path``.
+
+        Without the lock first: two consecutive copies that are byte for byte
+        equal saw no update (every update moves a counter or the LRU tick), so
+        the copy is consistent; an update stopped half-way (its process dead or
+        stopped) leaves ``dirty`` set in both, and opening the copy recovers it
+        as the next locker would. Only if ``tries`` copies in a row differ (a
+        busy arena) is one copy taken under the catalog's lock.
+        """
         with open(path, "r+b") as f:
             header = read_header(f.read(HEADER_BYTES))
             size = header.data_offset - HEADER_BYTES
@@ -322,6 +331,12 @@ class CatalogSnapshot:
         try:
             if np.frombuffer(mm, dtype="<i8", count=1)[0] != CATALOG_MAGIC:
                 raise ArenaError(f"arena {path}: its catalog region is not formatted yet")
+            previous = mm[:size]
+            for _ in range(tries):
+                current = mm[:size]
+                if current == previous:
+                    return cls(path, current, locked=False)
+                previous = current
             lock = _LiveLock(path, mm)
             lock._lock()
             try:
@@ -331,7 +346,7 @@ class CatalogSnapshot:
                 lock.release()
         finally:
             mm.close()
-        return cls(path, region)
+        return cls(path, region, locked=True)
 
     def items(self) -> list[ItemView]:
         """Every WRITING or READY item, in slot order."""

@@ -146,6 +146,23 @@ def test_inspect_shows_states_pins_producers_and_free_room_and_changes_nothing(
     assert free["blocks"] == report["arena"]["blocks_free"]
     assert free["largest"] == max(n for _, n in free["extents"])
     assert report["check"] == {"ok": True, "error": None}
+    assert report["copied_under_lock"] is False  # an idle arena: two equal copies, no lock
+
+
+def test_a_snapshot_under_the_lock_matches_one_without_and_leaves_the_lock_free(
+    arena_dir, holders
+):
+    """The busy-arena path (no tries without the lock), then the holder still works."""
+    from ecoffload.engine.arena_survey import CatalogSnapshot
+
+    live = holders("live", arena_dir)
+    before = digest(live.path)
+    locked, free = CatalogSnapshot.take(live.path, tries=0), CatalogSnapshot.take(live.path)
+    assert (locked.locked, free.locked) == (True, False)
+    assert locked.items() == free.items() and locked.free_extents() == free.free_extents()
+    assert digest(live.path) == before
+    code, report, err = ecoffload("verify", "live", "--dir", arena_dir)  # locks it again
+    assert code == 0 and report["ok"], err
 
 
 def test_a_dead_holder_s_pins_and_reservation_are_shown_and_verify_releases_them_in_a_copy(

@@ -12,8 +12,9 @@
     ecoffload dashboard               the Grafana dashboard's JSON
 
 Each takes ``--json`` (one JSON object on stdout; the schema is in the
-README). The read-only commands never change an arena and hold its catalog's
-lock only to copy the catalog region (``engine/arena_survey.py``).
+README). The read-only commands never change an arena and copy the catalog
+region without its lock, or under it for one copy on a busy arena
+(``engine/arena_survey.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def inspect_report(name: str, directory: str) -> dict[str, Any]:
     if not report["arena"]["has_catalog"]:
         return report
     snapshot = CatalogSnapshot.take(path)
+    report["copied_under_lock"] = snapshot.locked
     items = sorted(snapshot.items(), key=lambda i: -i.lru_age)  # LRU first: evicted next
     extents = snapshot.free_extents()
     error = snapshot.check()
@@ -81,8 +83,10 @@ def inspect_report(name: str, directory: str) -> dict[str, Any]:
 def verify_report(name: str, directory: str) -> dict[str, Any]:
     """``ecoffload verify``: a warm restart's checks on a copy of the catalog."""
     path = arena_path(name, directory)
-    result = CatalogSnapshot.take(path).verify()
-    return {"name": name, "path": path, "ok": result.ok, **asdict(result)}
+    snapshot = CatalogSnapshot.take(path)
+    result = snapshot.verify()
+    return {"name": name, "path": path, "ok": result.ok, **asdict(result),
+            "copied_under_lock": snapshot.locked}  # fmt: skip
 
 
 def rm_report(name: str, directory: str) -> dict[str, Any]:
