@@ -1,18 +1,16 @@
 """Read-only views of arena files for operators: what is there, who holds it, is it sound.
 
-Nothing here changes an arena, and nothing waits on one longer than a lookup:
+Nothing here changes an arena or takes its lock:
 
 * :func:`arena_paths`, :func:`summarize`, :func:`holders` read the header
-  and the catalog's counters without any lock (a value may be one update
-  old) and find holders in ``/proc`` (every process with the file open or
-  mapped, by device and inode).
-* :meth:`CatalogSnapshot.take` copies the catalog's metadata region without
-  its lock (two equal copies in a row: no update ran), or, on an arena too
-  busy for that, under the lock for one copy only; everything else works on
-  the copy: items by state, pins and their owners, LRU ages, producers, free
-  extents. A lock whose holder died is then taken over as any locker would
-  (counted in the catalog's ``lock_deaths``); the rest of the catalog is never
-  written.
+  and the catalog's counters (a value may be one update old) and find
+  holders in ``/proc`` (every process with the file open or mapped, by
+  device and inode).
+* :meth:`CatalogSnapshot.take` copies the catalog's metadata region through
+  a read-only mapping until two copies in a row are equal (no update ran in
+  between), or marks the last copy not consistent after a bound; everything
+  else works on the copy: items by state, pins and their owners, LRU ages,
+  producers, free extents.
 * :meth:`CatalogSnapshot.verify` runs what a warm restart of a persistent
   arena runs (``SharedCatalog`` open: recovery of a dirty catalog, release of
   dead processes' reservations and pins; ``verify``: the CRC-32 of every item
@@ -26,6 +24,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -86,7 +85,6 @@ from .shared_catalog_format import (
 from .shared_catalog_format import (
     MAGIC as CATALOG_MAGIC,
 )
-from .shared_catalog_lock import LockProtocol
 
 STATE_NAMES = {WRITING: "writing", READY: "ready"}
 _JANITOR_PROGRAM = os.path.abspath(janitor.__file__)  # its command line names this file
@@ -283,70 +281,48 @@ class ItemView:
     pinned_by: list[Pin] = field(default_factory=list)
 
 
-class _LiveLock(LockProtocol):
-    """The catalog's own lock protocol over a mapping of the live region (no recovery)."""
-
-    def __init__(self, path: str, mm: mmap.mmap) -> None:
-        self.path = path
-        self._w = memoryview(mm).cast("q")
-        at = ctypes.c_char.from_buffer(mm, MUTEX_AT)
-        self._mx = ctypes.c_void_p(ctypes.addressof(at))
-        del at
-        self._identify()
-
-    def release(self) -> None:
-        self._mx = None
-        self._w.release()
-
-
 class CatalogSnapshot:
-    """A copy of an arena's catalog region, taken under its lock; everything else is
+    """A copy of an arena's catalog region, taken without its lock; everything else is
     read from the copy."""
 
-    def __init__(self, path: str, region: bytes, *, locked: bool) -> None:
+    def __init__(self, path: str, region: bytes, *, consistent: bool) -> None:
         self.path, self.region = path, region
-        self.locked = locked  # whether the copy was taken under the catalog's lock
+        self.consistent = consistent  # two equal copies in a row: no update ran meanwhile
         words = np.frombuffer(region, dtype="<i8")
         self._words = words
         fields = (H_NUM_BLOCKS, H_BLOCK_BYTES, H_MAX_ITEMS, H_MAX_KEY, H_MAX_PINS)
         self.layout = Layout(*(int(words[i]) for i in fields))
 
     @classmethod
-    def take(cls, path: str, *, tries: int = 3) -> CatalogSnapshot:
-        """Copy the catalog region of arena file ``path``.
+    def take(cls, path: str, *, timeout_s: float = 2.0) -> CatalogSnapshot:
+        """Copy the catalog region of arena file ``path``, never taking its lock.
 
-        Without the lock first: two consecutive copies that are byte for byte
-        equal saw no update (every update moves a counter or the LRU tick), so
-        the copy is consistent; an update stopped half-way (its process dead or
-        stopped) leaves ``dirty`` set in both, and opening the copy recovers it
-        as the next locker would. Only if ``tries`` copies in a row differ (a
-        busy arena) is one copy taken under the catalog's lock.
+        Two consecutive copies that are byte for byte equal saw no update (every
+        update moves a counter or the LRU tick), so the copy is consistent; an
+        update stopped half-way (its process dead or stopped) leaves ``dirty``
+        set in both, and opening the copy recovers it as the next locker would.
+        On an arena that changes faster than a copy for ``timeout_s``, the last
+        copy is kept and :attr:`consistent` is False (it may be torn).
         """
-        with open(path, "r+b") as f:
+        with open(path, "rb") as f:
             header = read_header(f.read(HEADER_BYTES))
             size = header.data_offset - HEADER_BYTES
             if size <= 0:
                 raise ArenaError(f"arena {path} has no catalog region (made by Arena.create)")
-            mm = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, offset=HEADER_BYTES)
+            mm = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ, offset=HEADER_BYTES)
         try:
             if np.frombuffer(mm, dtype="<i8", count=1)[0] != CATALOG_MAGIC:
                 raise ArenaError(f"arena {path}: its catalog region is not formatted yet")
+            deadline = time.monotonic() + timeout_s
             previous = mm[:size]
-            for _ in range(tries):
+            while time.monotonic() < deadline:
                 current = mm[:size]
                 if current == previous:
-                    return cls(path, current, locked=False)
+                    return cls(path, current, consistent=True)
                 previous = current
-            lock = _LiveLock(path, mm)
-            lock._lock()
-            try:
-                region = mm[:size]  # the copy: the only work done under the lock
-            finally:
-                lock._unlock()
-                lock.release()
         finally:
             mm.close()
-        return cls(path, region, locked=True)
+        return cls(path, previous, consistent=False)
 
     def items(self) -> list[ItemView]:
         """Every WRITING or READY item, in slot order."""
@@ -436,6 +412,7 @@ class CatalogSnapshot:
             dropped_crc_mismatch=dropped,
             items_kept=kept,
             check_error=problem,
+            consistent=self.consistent,
         )
 
 
@@ -457,10 +434,13 @@ class VerifyReport:
     items_kept: int
     check_error: str | None
 
+    consistent: bool = True  # the copy was consistent (else the findings may be torn)
+
     @property
     def ok(self) -> bool:
-        """Whether a warm restart would serve every READY item and the catalog is sound."""
-        return self.dropped_crc_mismatch == 0 and self.check_error is None
+        """Whether a warm restart would serve every READY item and the catalog is sound
+        (on a consistent copy)."""
+        return self.consistent and self.dropped_crc_mismatch == 0 and self.check_error is None
 
 
 @contextlib.contextmanager

@@ -12,9 +12,8 @@
     ecoffload dashboard               the Grafana dashboard's JSON
 
 Each takes ``--json`` (one JSON object on stdout; the schema is in the
-README). The read-only commands never change an arena and copy the catalog
-region without its lock, or under it for one copy on a busy arena
-(``engine/arena_survey.py``).
+README). The read-only commands never change an arena nor take its lock: they
+work on a copy of the catalog region (``engine/arena_survey.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from ..engine.sizes import format_bytes
 from . import dashboard
 
 EXIT_OK, EXIT_REFUSED, EXIT_NOT_FOUND = 0, 1, 2
+TORN = "; the arena changed during every copy for 2 s: rerun when no instance writes to it"
 
 
 def arenas_report(directory: str) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def inspect_report(name: str, directory: str) -> dict[str, Any]:
     if not report["arena"]["has_catalog"]:
         return report
     snapshot = CatalogSnapshot.take(path)
-    report["copied_under_lock"] = snapshot.locked
+    report["consistent"] = snapshot.consistent
     items = sorted(snapshot.items(), key=lambda i: -i.lru_age)  # LRU first: evicted next
     extents = snapshot.free_extents()
     error = snapshot.check()
@@ -83,10 +83,8 @@ def inspect_report(name: str, directory: str) -> dict[str, Any]:
 def verify_report(name: str, directory: str) -> dict[str, Any]:
     """``ecoffload verify``: a warm restart's checks on a copy of the catalog."""
     path = arena_path(name, directory)
-    snapshot = CatalogSnapshot.take(path)
-    result = snapshot.verify()
-    return {"name": name, "path": path, "ok": result.ok, **asdict(result),
-            "copied_under_lock": snapshot.locked}  # fmt: skip
+    result = CatalogSnapshot.take(path).verify()
+    return {"name": name, "path": path, "ok": result.ok, **asdict(result)}
 
 
 def rm_report(name: str, directory: str) -> dict[str, Any]:
@@ -135,6 +133,8 @@ def _print_inspect(report: dict[str, Any]) -> None:
     f = report["free_extents"]
     print(f"    free: {f['blocks']} blocks in {f['count']} extents, largest {f['largest']}")
     print(f"    check: {'ok' if report['check']['ok'] else report['check']['error']}")
+    if not report["consistent"]:
+        print("    (the arena changed during every copy for 2 s: this view may be torn)")
 
 
 def _print_verify(report: dict[str, Any]) -> None:
@@ -142,7 +142,7 @@ def _print_verify(report: dict[str, Any]) -> None:
           f"{report['items_before']} items kept, {report['dropped_crc_mismatch']} dropped "
           f"(CRC-32 mismatch), dead reservations released: "
           f"{report['released_dead_reservations'] or 'none'}; check: "
-          f"{report['check_error'] or 'ok'}")  # fmt: skip
+          f"{report['check_error'] or 'ok'}{'' if report['consistent'] else TORN}")  # fmt: skip
 
 
 def _print_rm(report: dict[str, Any]) -> None:
