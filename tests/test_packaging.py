@@ -24,8 +24,8 @@ def run_outside_repo(code, tmp_path, **env):
 def test_fresh_interpreter_imports_subpackages_but_no_top_level_ones(tmp_path):
     code = (
         "import importlib, ecoffload.kernels, ecoffload.engine, ecoffload.connector, "
-        "ecoffload.profiling\n"
-        "for name in ('kernels', 'engine', 'connector', 'profiling'):\n"
+        "ecoffload.profiling, ecoffload.tools\n"
+        "for name in ('kernels', 'engine', 'connector', 'profiling', 'tools'):\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
         "    except ModuleNotFoundError:\n"
@@ -60,7 +60,13 @@ def test_wheel_holds_only_the_ecoffload_package(tmp_path):
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"ecoffload", wheel.split("-")[0] + "-" + wheel.split("-")[1] + ".dist-info"}
-    for sub in ("kernels", "engine", "connector", "profiling"):
+    for sub in ("kernels", "engine", "connector", "profiling", "tools"):
         assert f"ecoffload/{sub}/__init__.py" in names
     assert "ecoffload/profiling/gpu_check.sh" in names
     assert "ecoffload/kernels/plan_native.c" in names  # built on first use, so shipped as source
+    assert "ecoffload/tools/grafana/ecoffload.json" in names  # `ecoffload dashboard` prints it
+    entry_points = zipfile.ZipFile(tmp_path / wheel).read(
+        wheel.split("-")[0] + "-" + wheel.split("-")[1] + ".dist-info/entry_points.txt"
+    ).decode()
+    assert "ecoffload = ecoffload.tools.cli:main" in entry_points
+    assert "ecoffload-vllm = ecoffload.connector.cli:main" in entry_points

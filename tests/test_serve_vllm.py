@@ -1,11 +1,13 @@
-"""``vllm serve`` (through the ecoffload-vllm launcher) with a real OpenAI client.
+"""``vllm serve`` as the README tells users to run it, with a real OpenAI client.
 
-Two servers on 127.0.0.1, one after the other, on the tiny PaliGemma with
-vLLM's encoder cache holding two images: without the connector, then with
-it (ec_both, a private arena directory). Four distinct images as base64 PNGs,
-then the first two again: with the connector the repeats come back from the
-arena (``/metrics`` counts them) and the greedy text is identical. Then
-SIGINT while requests are in flight: the server exits within 10 s, the
+The installed ``ecoffload-vllm`` console script, in an environment without
+PYTHONPATH (what a user's shell has), on 127.0.0.1, on the tiny PaliGemma
+with vLLM's encoder cache holding two images: without the connector, then
+with it (ec_both, a private arena directory). Four distinct images as base64
+PNGs, then the first two again: with the connector the repeats come back
+from the arena (``/metrics`` counts them) and the greedy text is identical.
+Every query of the Grafana dashboard selects metrics that server exports.
+Then SIGINT while requests are in flight: the server exits within 10 s, the
 in-flight requests are answered (not left hanging) and no arena file is left
 in the arena directory or /dev/shm. ``make serve-check`` repeats the SIGINT
 part five times.
@@ -27,9 +29,12 @@ from ecoffload.profiling.vllm_serve import (
     arena_leftovers,
     chat,
     interrupt_under_load,
+    launcher_path,
+    parse_metrics,
     shm_entries,
     shm_leftovers,
 )
+from ecoffload.tools import dashboard
 
 pytestmark = pytest.mark.slow
 IMAGES, REPEATS = 4, 2
@@ -68,53 +73,103 @@ def wait_for_metric(server, name, at_least, timeout_s=15.0):
     return metrics
 
 
-def test_serve_repeats_from_the_arena_then_sigint_under_load(
-    model_dir, images, without_connector, arena_dir, tmp_path
-):
-    assert len(set(without_connector[:IMAGES])) == IMAGES  # the images matter to the text
+def environ_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, images, without_connector, tmp_path_factory):
+    """The server with the connector, after the four images and two repeats.
+
+    Yields (server, arena_dir, name, texts, shm entries before it started); the
+    last test of this file interrupts it.
+    """
+    arena_dir = str(tmp_path_factory.mktemp("arenas"))
     name = f"ecoffload-serve-{uuid.uuid4().hex[:12]}"
     shm_before = shm_entries()
+    log = str(tmp_path_factory.mktemp("serve") / "with-connector.log")
     with Server.start(
-        model_dir,
-        connector=True,
-        arena_dir=arena_dir,
-        arena_name=name,
-        log_path=str(tmp_path / "with-connector.log"),
+        model_dir, connector=True, arena_dir=arena_dir, arena_name=name, log_path=log
     ) as server:
         client = server.client()
         texts = [chat(client, images[i]) for i in ORDER]
-        assert texts == without_connector
+        yield server, arena_dir, name, texts, shm_before
 
-        metrics = wait_for_metric(server, "vllm:ecoffload_items_loaded_total", REPEATS)
-        assert metrics["vllm:ecoffload_items_loaded_total"] >= REPEATS, server.log()
-        assert metrics["vllm:ecoffload_hits_total"] >= REPEATS
-        assert metrics["vllm:ecoffload_items_saved_total"] == IMAGES
-        assert metrics["vllm:ecoffload_bytes_loaded_total"] > 0
-        assert metrics["vllm:ecoffload_saves_failed_total"] == 0
-        assert metrics["vllm:ecoffload_unexpected_reports_total"] == 0
-        assert metrics["vllm:ecoffload_items_resident"] == IMAGES  # occupancy gauges
-        assert 0 < metrics["vllm:ecoffload_arena_usage_perc"] <= 1
 
-        result = interrupt_under_load(server, images, timeout_s=SIGINT_LIMIT_S)
-        assert result.seconds is not None, f"still running after SIGINT\n{server.log()}"
-        assert result.seconds <= SIGINT_LIMIT_S
-        assert result.in_flight >= 1
-        assert result.unanswered == 0, "a request was left waiting after the server exited"
-        assert result.group_exited, "a process of the server outlived it"
+def test_the_readme_command_runs_as_installed_without_pythonpath(served):
+    server = served[0]
+    with open(f"/proc/{server.proc.pid}/cmdline", "rb") as f:
+        cmdline = f.read().split(b"\0")
+    assert cmdline[1].decode() == launcher_path()  # python <console script> serve ...
+    assert cmdline[2] == b"serve"
+    tree = server.processes()
+    assert len(tree) >= 2, "vLLM's engine core runs in a child process"
+    for pid in tree:  # the launcher and every process vLLM started from it
+        assert "PYTHONPATH" not in environ_of(pid), pid
+
+
+def test_serve_repeats_from_the_arena(served, without_connector):
+    server, _, _, texts, _ = served
+    assert len(set(without_connector[:IMAGES])) == IMAGES  # the images matter to the text
+    assert texts == without_connector
+
+    metrics = wait_for_metric(server, "vllm:ecoffload_items_loaded_total", REPEATS)
+    assert metrics["vllm:ecoffload_items_loaded_total"] >= REPEATS, server.log()
+    assert metrics["vllm:ecoffload_hits_total"] >= REPEATS
+    assert metrics["vllm:ecoffload_items_saved_total"] == IMAGES
+    assert metrics["vllm:ecoffload_bytes_loaded_total"] > 0
+    assert metrics["vllm:ecoffload_saves_failed_total"] == 0
+    assert metrics["vllm:ecoffload_unexpected_reports_total"] == 0
+    assert metrics["vllm:ecoffload_items_resident"] == IMAGES  # occupancy gauges
+    assert 0 < metrics["vllm:ecoffload_arena_usage_perc"] <= 1
+
+
+def test_every_dashboard_query_selects_metrics_the_server_exports(served):
+    """The Grafana dashboard (tools/grafana/ecoffload.json) against this server's /metrics."""
+    exported = set(parse_metrics(served[0].metrics_text()))
+    found = list(dashboard.queries(dashboard.load()))
+    assert found
+    for where, query in found:
+        names = dashboard.metric_names(query)
+        assert names, f"{where} selects no metric: {query}"
+        assert names <= exported, f"{where}: {sorted(names - exported)} not at /metrics"
+
+
+def test_sigint_under_load_answers_every_request_and_leaves_nothing(served, images):
+    """Last in this file: it ends the server."""
+    server, arena_dir, name, _, shm_before = served
+    held = server.shm_held()  # vLLM's message queues and semaphores, the arena
+    assert held, "expected vLLM's processes to share memory through /dev/shm"
+    result = interrupt_under_load(server, images, timeout_s=SIGINT_LIMIT_S)
+    assert result.seconds is not None, f"still running after SIGINT\n{server.log()}"
+    assert result.seconds <= SIGINT_LIMIT_S
+    assert result.in_flight >= 1
+    assert result.unanswered == 0, "a request was left waiting after the server exited"
+    assert result.group_exited, "a process of the server outlived it"
     assert arena_leftovers(arena_dir, name) == []
     assert not os.path.exists(os.path.join("/dev/shm", name))
-    assert shm_leftovers(shm_before) == []  # nor anything else the server created
+    # Nor anything the server's processes held (other programs on the host may
+    # come and go in /dev/shm meanwhile: only the server's own entries count).
+    assert [n for n in shm_leftovers(shm_before) if n in held] == []
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_shm_leftovers_sees_a_leak_but_not_files_still_held(tmp_path):
     before = shm_entries()
-    leak, held = (f"/dev/shm/ecoffload-test-{uuid.uuid4().hex[:8]}" for _ in range(2))
+    leak, held, folder = (f"/dev/shm/ecoffload-test-{uuid.uuid4().hex[:8]}" for _ in range(3))
     open(leak, "w").close()
-    with open(held, "w"):  # still open: a live process's file, not a leftover
-        try:
-            assert shm_leftovers(before, timeout_s=0.5) == [os.path.basename(leak)]
-        finally:
-            os.unlink(leak)
-            os.unlink(held)
-    assert shm_leftovers(before, timeout_s=0) == []
+    os.mkdir(folder)  # another program's temporary folder, holding a file it has open
+    inside = os.path.join(folder, "mapped")
+    try:
+        with open(held, "w"), open(inside, "w"):  # open: a live process's, not leftovers
+            left = shm_leftovers(before, timeout_s=0.5)  # (other programs' may come and go)
+            assert os.path.basename(leak) in left
+            assert not {os.path.basename(held), os.path.basename(folder)} & set(left)
+        assert os.path.basename(folder) in shm_leftovers(before, timeout_s=0)  # closed: left
+    finally:
+        for path in (leak, held, inside):
+            os.unlink(path)
+        os.rmdir(folder)
+    assert not {os.path.basename(p) for p in (leak, held, folder)} & set(shm_leftovers(before, 0))
