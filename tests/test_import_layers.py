@@ -1,8 +1,9 @@
-"""The import graph runs downward: kernels <- engine <- connector <- profiling.
+"""The import graph runs downward: kernels <- engine <- connector <- profiling, tools.
 
 A module may import from its own layer and the layers below it, never above:
 the kernels know tensors and block tables only, the engine knows arenas and
-catalogs, the connector knows vLLM, profiling (benchmarks, demos) sits on top.
+catalogs, the connector knows vLLM, profiling (benchmarks, demos) and tools (the operators'
+command, the dashboard) sit on top; neither imports the other.
 Every import statement is read from the source (AST, so imports inside
 functions count too, and nothing is imported to find out).
 """
@@ -17,7 +18,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = ("kernels", "engine", "connector", "profiling")  # lowest first
+LAYERS = ("kernels", "engine", "connector", "profiling", "tools")  # lowest first
+TOP = ("profiling", "tools")  # peers: each may import the layers below, not the other
 
 
 def imported_packages(path: pathlib.Path, root: pathlib.Path) -> list[tuple[int, str]]:
@@ -48,14 +50,16 @@ def upward_imports(root: pathlib.Path = ROOT) -> list[str]:
     for layer in LAYERS:
         for path in sorted((root / layer).rglob("*.py")):
             for line, target in imported_packages(path, root):
-                if target in LAYERS and LAYERS.index(target) > LAYERS.index(layer):
+                above = target in LAYERS and LAYERS.index(target) > LAYERS.index(layer)
+                peer = target != layer and target in TOP and layer in TOP
+                if above or peer:
                     wrong.append(f"{path.relative_to(root)}:{line}: {layer} -> {target}")
     return wrong
 
 
 def test_no_layer_imports_a_layer_above_it():
     assert upward_imports() == [], (
-        "imports against the layers (kernels <- engine <- connector <- profiling): move "
+        "imports against the layers (kernels <- engine <- connector <- profiling, tools): move "
         "the shared code down to the lowest layer that needs it"
     )
 
@@ -69,6 +73,9 @@ def test_no_layer_imports_a_layer_above_it():
         ("kernels", "def f():\n    from ..engine import sizes\n", True),  # inside a function
         ("connector", "from ..engine.arena import Arena\nfrom ..kernels import api\n", False),
         ("profiling", "from ..connector import config\n", False),
+        ("tools", "from ..engine.arena_survey import survey\n", False),
+        ("tools", "from ..profiling import bench\n", True),  # peers on top
+        ("profiling", "from ..tools import cli\n", True),
         ("engine", "from .arena import Arena\nimport numpy\n", False),
     ],
 )
