@@ -1,6 +1,16 @@
 """Host cost of a step's copy: what the CPU spends before the device does anything.
 
-    python -m ecoffload.profiling.bench_host [--repeat 200]
+    python -m ecoffload.profiling.bench_host [--repeat 200] [--json FILE]
+
+Real-path rows first (:mod:`.real_path_steps`): ``OffloadCache.save``/``load``
+steps, in-process and on the shared catalog, with the tables the catalog hands
+out; the planning of those same tables beside the frozen anchor; and the
+connector's scheduler hooks per step for 16 hits and 16 saves on the shared
+catalog (vLLM's factory, a real ``VllmConfig``; skipped without vLLM).
+``--json`` writes them for a "before" column measured on another checkout
+with the same command.
+
+Kernel-level rows next (the planner alone, tables built as lists of tuples):
 
 Side by side in one run, calls interleaved, on the same tensors and block
 tables: the host path before issue 10 (:mod:`.anchor_host_path`, frozen) and
@@ -22,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -121,6 +133,95 @@ def host_rows(repeat: int) -> list[dict]:
     return rows
 
 
+REAL_CASES = [  # (name, items, extents per item, block bytes)
+    ("16 items x 1 extent (64 KiB blocks)", 16, 1, 64 << 10),
+    ("16 items x 125 extents = 2,000 (8 KiB blocks)", 16, 125, 8 << 10),
+]
+
+
+def real_path_rows(repeat: int, directory: str) -> list[dict]:
+    """OffloadCache.save (+ flush) and load per step, both catalogs, copies included (on a
+    CPU host: the reference copy, torch slice copies); and the planning of the step the
+    catalog made, beside the anchor planning the same tables."""
+    from .real_path_steps import CacheSteps
+
+    rows = []
+    for name, items, extents, block in REAL_CASES:
+        for shared in (False, True):
+            steps = CacheSteps(directory, shared=shared, items=items, extents_per_item=extents,
+                               block_bytes=block)  # fmt: skip
+            try:
+                steps.check()
+                n = max(5, repeat // (1 + extents // 25))
+                catalog = "shared" if shared else "in-process"
+                count = steps.extents()
+                t_save, = timed_side_by_side([steps.save_then_forget], n)
+                steps.save()
+                t_load, = timed_side_by_side([steps.load], n)
+                rows.append(dict(group="OffloadCache (full call, copy included)", step=name,
+                                 catalog=catalog, direction="save + flush", extents=count,
+                                 now_us=t_save * 1e6))  # fmt: skip
+                rows.append(dict(group="OffloadCache (full call, copy included)", step=name,
+                                 catalog=catalog, direction="load", extents=count,
+                                 now_us=t_load * 1e6))  # fmt: skip
+                rows += planning_rows(steps, name, catalog, count, n)
+                steps.forget()
+            finally:
+                steps.close()
+    return rows
+
+
+def planning_rows(steps, name: str, catalog: str, count: int, n: int) -> list[dict]:
+    """The mover's planning (item layout, validation, segment and program rows) of the
+    tables the catalog hands out for the step, interleaved with the anchor's."""
+    cache, keys = steps.cache, steps.keys
+    sources = list(steps.sources.values())
+    specs = [(t.dtype, tuple(t.shape)) for t in sources]
+    arena, block = cache.arena.host, cache.arena.block_bytes
+    made = getattr(cache.catalog, "step_table", None)  # the catalog's own step table
+    tables = made(keys) if made is not None else [cache.catalog.entry(k).extents for k in keys]
+    anchor_tables = [list(cache.catalog.entry(k).extents) for k in keys]
+    rows = []
+    for direction, old, new, first in (
+        ("save", old_save, new_save, sources),
+        ("load", old_load, new_load, specs),
+    ):
+        calls = [partial(old, first, anchor_tables, arena, block),
+                 partial(new, first, tables, arena, block)]  # fmt: skip
+        t_old, t_new = timed_side_by_side(calls, n)
+        rows.append(dict(group="planning the catalog's tables", step=name, catalog=catalog,
+                         direction=direction, extents=count, before_us=t_old * 1e6,
+                         now_us=t_new * 1e6, ratio=t_old / t_new))  # fmt: skip
+    return rows
+
+
+def scheduler_rows(repeat: int, directory: str) -> list[dict]:
+    """The connector's scheduler hooks per step (16 hits; 16 saves) on the shared catalog."""
+    try:
+        from .real_path_steps import SchedulerSteps
+
+        steps = SchedulerSteps(directory)
+    except ImportError as e:  # no vLLM here
+        print(f"(scheduler rows skipped: {e})")
+        return []
+    try:
+        t_hits, = timed_side_by_side([steps.hits], repeat)
+        samples = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            _, meta = steps.saves()
+            samples.append(time.perf_counter() - start)
+            steps.settle_saves(meta)
+    finally:
+        steps.close()
+    group = "connector scheduler hooks per step (shared catalog)"
+    return [dict(group=group, step="16 hits: lookup+pin, alloc, meta, load report",
+                 catalog="shared", direction="load", extents=16, now_us=t_hits * 1e6),
+            dict(group=group, step="16 saves: lookup, reserve, meta", catalog="shared",
+                 direction="save", extents=16,
+                 now_us=statistics.median(samples) * 1e6)]  # fmt: skip
+
+
 def cuda_rows(repeat: int) -> list[dict]:
     """Full save/load host time through a real mover, and the stall test (CUDA only)."""
     from ..engine.arena import Arena
@@ -156,11 +257,29 @@ def cuda_rows(repeat: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--json", help="also write the real-path rows to this file")
+    parser.add_argument("--real-only", action="store_true", help="only the real-path rows")
     args = parser.parse_args(argv)
     c_pass = native.planner()
     where = f"C pass ({c_pass.__file__})" if c_pass else "Python passes (no C pass: see the log)"
     print(f"torch {torch.__version__}, host cost per call, median of up to {args.repeat} calls "
           f"(interleaved); planning and item layout now: {where}\n")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="ecoffload-bench-host-", dir="/dev/shm") as tmp:
+        real = real_path_rows(args.repeat, tmp) + scheduler_rows(args.repeat, tmp)
+    print("Real paths (the entry points users call; tables as the catalogs hand them out):\n")
+    print("| rows | step | catalog | direction | extents | anchor (us) | now (us) | anchor / now |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in real:
+        anchor = f"{r['before_us']:.1f}" if "before_us" in r else ""
+        ratio = f"{r['ratio']:.1f}x" if "ratio" in r else ""
+        print(f"| {r['group']} | {r['step']} | {r['catalog']} | {r['direction']} | "
+              f"{r['extents']:,} | {anchor} | {r['now_us']:.1f} | {ratio} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(real, f, indent=1)
+    if args.real_only:
+        return 0
+    print("\nKernel-level rows (the planner alone, tables as lists of tuples):\n")
     print("| step | direction | extents | before issue 10 (us) | now (us) | before / now |")
     print("|---|---|---|---|---|---|")
     rows = host_rows(args.repeat)
