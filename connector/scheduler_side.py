@@ -48,6 +48,7 @@ from typing import Any
 
 from ..engine.errors import CatalogError, DuplicateItemError
 from ..engine.shared_catalog import process_start_time
+from ..kernels.step_table import StepTable
 from ..profiling.nvtx import nvtx_range
 from .compat import (
     encoder_row_bytes,
@@ -95,14 +96,17 @@ class SchedulerSide:
                                                       self._counts, layout=layout)  # fmt: skip
         self._me = (os.getpid(), process_start_time(os.getpid()) or 0)
         self._step = 0
-        self._promised: set[str] = set()
-        self._loads: dict[str, LoadSpec] = {}
-        self._saves: dict[str, SaveSpec] = {}
+        # Pinned hits not yet scheduled: the entry the pinning lookup returned (pinned, so
+        # it stays as read: nothing asks the catalog again for it).
+        self._promised: dict[str, Any] = {}
+        self._loads: dict[str, tuple[LoadSpec, list]] = {}  # key -> (spec, extents)
+        self._saves: dict[str, tuple[int, int, list]] = {}  # key -> (nbytes, generation, extents)
         self._shipped: dict[int, tuple[list[str], list[str]]] = {}  # step -> (saves, loads)
         self._sizes: dict[str, tuple[str, int]] = {}  # key -> (modality, rows) asked to save
         self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
         self._load_reports: Counter[str] = Counter()  # rank reports not yet turned into unpins
         self._loading: Counter[str] = Counter()  # shipped loads still holding a pin
+        self._load_nbytes: dict[str, int] = {}  # shipped load -> its bytes (for the counters)
         self._writing: dict[str, tuple[int, int]] = {}  # shipped save -> (nbytes, generation)
         self._reported: dict[str, int] = {}
 
@@ -116,16 +120,16 @@ class SchedulerSide:
             return False
         if entry.producer != self._me:
             self._counts["hits_from_other_instances"] += 1
-        self._promised.add(identifier)
+        self._promised[identifier] = entry
         return True
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         feature = request.mm_features[index]
         key = feature.identifier
-        if key in self._promised:
-            self._promised.discard(key)
-            entry = self.catalog.entry(key)
-            self._loads[key] = (key, list(entry.extents), entry.nbytes, entry.dtype, entry.shape)
+        entry = self._promised.pop(key, None)
+        if entry is not None:  # the pinned entry has_cache_item read: no second round trip
+            self._loads[key] = (LoadSpec(key, entry.nbytes, entry.dtype, entry.shape),
+                                entry.extents)  # fmt: skip
             return
         if key in self._loads or not self.producer or self.catalog.state(key) is not None:
             return  # loading, not ours to save, or saved (or being saved) by any instance
@@ -147,7 +151,7 @@ class SchedulerSide:
         if entry is None:
             self._counts["saves_skipped_no_room"] += 1
             return
-        self._saves[key] = (list(entry.extents), entry.nbytes, entry.generation)
+        self._saves[key] = (entry.nbytes, entry.generation, entry.extents)
         if self._reports:
             self._writing[key] = (entry.nbytes, entry.generation)
 
@@ -156,16 +160,25 @@ class SchedulerSide:
             self.remote_producer.step()
         if self.remote_consumer is not None:  # once per step: connections, reads
             self.remote_consumer.step()
-        for key in self._promised:  # promised, but vLLM did not schedule the item
-            self.catalog.unpin(key)
-        self._promised.clear()
+        if self._promised:  # promised, but vLLM did not schedule them: one lock round trip
+            self.catalog.unpin_many(list(self._promised))
+            self._promised.clear()
         self._step += 1
+        loads, saves = self._loads, self._saves
         meta = ECOffloadMetadata(
-            self._step, self.arena.nonce, list(self._loads.values()), dict(self._saves)
-        )
-        if self._loads or (self._saves and self._reports):
-            self._shipped[self._step] = (list(self._saves), list(self._loads))
-        self._loading.update(list(self._loads))  # one pin per shipped load
+            self._step,
+            self.arena.nonce,
+            loads=[spec for spec, _ in loads.values()],
+            saves={key: SaveSpec(i, nbytes, generation)
+                   for i, (key, (nbytes, generation, _)) in enumerate(saves.items())},
+            load_table=StepTable.from_tables([extents for _, extents in loads.values()]),
+            save_table=StepTable.from_tables([extents for _, _, extents in saves.values()]),
+        )  # fmt: skip
+        if loads or (saves and self._reports):
+            self._shipped[self._step] = (list(saves), list(loads))
+        self._loading.update(list(loads))  # one pin per shipped load
+        for spec, _ in loads.values():
+            self._load_nbytes[spec.key] = spec.nbytes
         self._loads, self._saves = {}, {}
         return meta
 
@@ -188,6 +201,7 @@ class SchedulerSide:
             modality, rows = self._sizes.pop(key, (None, 0))
             if modality is not None and rows and nbytes > 0 and nbytes % rows == 0:
                 self._row_bytes[modality] = nbytes // rows
+        finished: list[str] = []  # one unpin each, all in one lock round trip
         for key, ranks in report.loaded.items():
             if not self._loading[key] or ranks <= 0:
                 self._counts["unexpected_reports"] += 1  # not a load we shipped: ignore
@@ -195,9 +209,14 @@ class SchedulerSide:
             reports = self._load_reports.pop(key, 0) + ranks
             while reports >= self._load_ranks and self._loading[key]:
                 reports -= self._load_ranks
-                self._finish_load(key)
+                self._counts["items_loaded"] += 1
+                self._counts["bytes_loaded"] += self._load_nbytes[key]
+                self._forget_load(key)
+                finished.append(key)
             if reports and self._loading[key]:
                 self._load_reports[key] = reports
+        if finished:
+            self.catalog.unpin_many(finished)
 
     def _settle_steps(self, processed: set[int]) -> None:
         """Forget echoed steps; undo the ones vLLM dropped before the newest echoed one."""
@@ -214,26 +233,25 @@ class SchedulerSide:
                 shipped = self._writing.pop(key, None)
                 if shipped is not None:
                     self._abort(key, shipped[1])
+            released = []
             for key in loads:
                 if self._loading[key]:  # not already released by a (stray) report
-                    self._release_load(key)
+                    self._forget_load(key)
+                    released.append(key)
+            if released:
+                self.catalog.unpin_many(released)
 
     def _abort(self, key: str, generation: int) -> None:
         """Abort our reservation ``generation`` of ``key`` if it is still WRITING."""
         with contextlib.suppress(CatalogError):  # gone, or reserved again
             self.catalog.abort(key, generation=generation)
 
-    def _finish_load(self, key: str) -> None:
-        entry = self.catalog.entry(key)
-        self._release_load(key)
-        self._counts["items_loaded"] += 1
-        self._counts["bytes_loaded"] += entry.nbytes
-
-    def _release_load(self, key: str) -> None:
+    def _forget_load(self, key: str) -> None:
+        """One shipped load of ``key`` done with (the caller unpins it)."""
         self._loading[key] -= 1
         if not self._loading[key]:
             del self._loading[key]
-        self.catalog.unpin(key)
+            del self._load_nbytes[key]
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
         # Pins and reservations of steps are released by worker reports; a remote
