@@ -104,6 +104,7 @@ class SchedulerSide:
         self._shipped: dict[int, tuple[list[str], list[str]]] = {}  # step -> (saves, loads)
         self._sizes: dict[str, tuple[str, int]] = {}  # key -> (modality, rows) asked to save
         self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
+        self._row_bytes_of_config: dict[str, int | None] = {}  # modality -> from the config
         self._load_reports: Counter[str] = Counter()  # rank reports not yet turned into unpins
         self._loading: Counter[str] = Counter()  # shipped loads still holding a pin
         self._load_nbytes: dict[str, int] = {}  # shipped load -> its bytes (for the counters)
@@ -136,8 +137,8 @@ class SchedulerSide:
         rows = request.get_num_encoder_embeds(index)
         if self._reports:  # a worker report will learn the row size from it, then drop it
             self._sizes[key] = (feature.modality, rows)
-        row_bytes = self._row_bytes.get(feature.modality) or encoder_row_bytes(
-            self._vllm_config, feature.modality
+        row_bytes = self._row_bytes.get(feature.modality) or self._config_row_bytes(
+            feature.modality
         )
         if not row_bytes or not rows:
             return  # size unknown yet: the worker reports it, the next item is saved
@@ -154,6 +155,13 @@ class SchedulerSide:
         self._saves[key] = (entry.nbytes, entry.generation, entry.extents)
         if self._reports:
             self._writing[key] = (entry.nbytes, entry.generation)
+
+    def _config_row_bytes(self, modality: str) -> int | None:
+        """Bytes per encoder output row as the model config gives them (read once per
+        modality: the config does not change, and reading it costs vLLM attribute lookups)."""
+        if modality not in self._row_bytes_of_config:
+            self._row_bytes_of_config[modality] = encoder_row_bytes(self._vllm_config, modality)
+        return self._row_bytes_of_config[modality]
 
     def build_connector_meta(self, scheduler_output: Any) -> ECOffloadMetadata:
         if self.remote_producer is not None:  # once per step: leases read or expired

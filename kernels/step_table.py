@@ -20,7 +20,7 @@ reference copy, the loop planner naming a fault, a CRC) takes it unchanged.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import chain
+from itertools import accumulate, chain
 
 import numpy as np
 
@@ -45,11 +45,20 @@ class StepTable(Sequence):
         """The step table of per-item tables of ``(start, count)`` pairs (at the boundary
         with code that holds extents as pairs: one pass, no intermediate list)."""
         tables = tables if isinstance(tables, list | tuple) else list(tables)
-        bounds = np.zeros(len(tables) + 1, np.int64)
-        np.cumsum([len(t) for t in tables], out=bounds[1:])
-        n = int(bounds[-1])
+        if not tables:
+            return cls._made(_NO_EXTENTS, _NO_BOUNDS)
+        bounds = [0, *accumulate(map(len, tables))]
         flat = chain.from_iterable(chain.from_iterable(tables))
-        return cls(np.fromiter(flat, np.int64, count=2 * n).reshape(n, 2), bounds)
+        # fromiter with its count: one allocation, no list of Python ints in between.
+        extents = np.fromiter(flat, np.int64, count=2 * bounds[-1]).reshape(-1, 2)
+        return cls._made(extents, np.array(bounds, np.int64))
+
+    @classmethod
+    def _made(cls, extents: np.ndarray, bounds: np.ndarray) -> StepTable:
+        """One from arrays made here, already right (a step pays no checks for them)."""
+        table = cls.__new__(cls)
+        table.extents, table.bounds = extents, bounds
+        return table
 
     @classmethod
     def concat(cls, tables: Sequence[StepTable]) -> StepTable:
@@ -72,7 +81,7 @@ class StepTable(Sequence):
         bounds = np.zeros(len(picked) + 1, np.int64)
         np.cumsum([len(p) for p in picked], out=bounds[1:])
         extents = np.concatenate(picked) if picked else np.empty((0, 2), np.int64)
-        return StepTable(extents, bounds)
+        return StepTable._made(extents, bounds)
 
     def extents_of(self, item: int) -> np.ndarray:
         """int64 [k, 2]: item ``item``'s extents (a view)."""
@@ -111,3 +120,8 @@ class StepTable(Sequence):
 
     def __repr__(self) -> str:
         return f"StepTable({len(self)} items, {self.num_extents} extents)"
+
+
+_NO_EXTENTS = np.empty((0, 2), np.int64)
+_NO_BOUNDS = np.zeros(1, np.int64)
+_NO_EXTENTS.flags.writeable = _NO_BOUNDS.flags.writeable = False  # shared by every empty table

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -195,31 +196,44 @@ def planning_rows(steps, name: str, catalog: str, count: int, n: int) -> list[di
     return rows
 
 
-def scheduler_rows(repeat: int, directory: str) -> list[dict]:
-    """The connector's scheduler hooks per step (16 hits; 16 saves) on the shared catalog."""
+def scheduler_rows(repeat: int, directory: str, before: str | None = None) -> list[dict]:
+    """The connector's scheduler hooks per step (16 hits; 16 saves) on the shared catalog;
+    with ``before`` (another checkout), its connector too, calls interleaved."""
     try:
-        from .real_path_steps import SchedulerSteps
+        from .real_path_steps import SchedulerSteps, mount_checkout
 
-        steps = SchedulerSteps(directory)
+        made = [SchedulerSteps(os.path.join(directory, "now"))]
+        if before is not None:
+            module = f"{mount_checkout(before)}.connector"
+            made.insert(0, SchedulerSteps(os.path.join(directory, "before"),
+                                          connector_module=module))  # fmt: skip
     except ImportError as e:  # no vLLM here
         print(f"(scheduler rows skipped: {e})")
         return []
     try:
-        t_hits, = timed_side_by_side([steps.hits], repeat)
-        samples = []
+        t_hits = timed_side_by_side([steps.hits for steps in made], repeat)
+        samples: list[list[float]] = [[] for _ in made]
         for _ in range(repeat):
-            start = time.perf_counter()
-            _, meta = steps.saves()
-            samples.append(time.perf_counter() - start)
-            steps.settle_saves(meta)
+            for steps, mine in zip(made, samples, strict=True):
+                request = steps.fresh_request()
+                start = time.perf_counter()
+                _, meta = steps.saves(request)
+                mine.append(time.perf_counter() - start)
+                steps.settle_saves(meta)
+        t_saves = [statistics.median(mine) for mine in samples]
     finally:
-        steps.close()
+        for steps in made:
+            steps.close()
     group = "connector scheduler hooks per step (shared catalog)"
-    return [dict(group=group, step="16 hits: lookup+pin, alloc, meta, load report",
-                 catalog="shared", direction="load", extents=16, now_us=t_hits * 1e6),
-            dict(group=group, step="16 saves: lookup, reserve, meta", catalog="shared",
-                 direction="save", extents=16,
-                 now_us=statistics.median(samples) * 1e6)]  # fmt: skip
+    rows = []
+    for step, times in (("16 hits: lookup+pin, alloc, meta, load report", t_hits),
+                        ("16 saves: lookup, reserve, meta", t_saves)):  # fmt: skip
+        row = dict(group=group, step=step, catalog="shared", extents=16,
+                   direction="load" if "hits" in step else "save", now_us=times[-1] * 1e6)
+        if before is not None:
+            row.update(before_us=times[0] * 1e6, ratio=times[0] / times[-1])
+        rows.append(row)
+    return rows
 
 
 def cuda_rows(repeat: int) -> list[dict]:
@@ -259,14 +273,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--json", help="also write the real-path rows to this file")
     parser.add_argument("--real-only", action="store_true", help="only the real-path rows")
+    parser.add_argument("--before", metavar="CHECKOUT",
+                        help="an older checkout of the repository: its connector's scheduler "
+                             "hooks timed interleaved with this one's (the 'before' column)")
     args = parser.parse_args(argv)
     c_pass = native.planner()
     where = f"C pass ({c_pass.__file__})" if c_pass else "Python passes (no C pass: see the log)"
     print(f"torch {torch.__version__}, host cost per call, median of up to {args.repeat} calls "
           f"(interleaved); planning and item layout now: {where}\n")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="ecoffload-bench-host-", dir="/dev/shm") as tmp:
-        real = real_path_rows(args.repeat, tmp) + scheduler_rows(args.repeat, tmp)
+        real = real_path_rows(args.repeat, tmp) + scheduler_rows(args.repeat, tmp, args.before)
     print("Real paths (the entry points users call; tables as the catalogs hand them out):\n")
+    print("The anchor: the frozen pre-issue-10 host path (planning rows), or the checkout given "
+          "as --before (scheduler rows).\n")
     print("| rows | step | catalog | direction | extents | anchor (us) | now (us) | anchor / now |")
     print("|---|---|---|---|---|---|---|---|")
     for r in real:

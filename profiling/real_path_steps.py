@@ -12,7 +12,8 @@
   made (its tables, as handed out), for the rows beside the frozen anchor.
 
 Everything here calls public entry points only, so the same script measures
-an older checkout (``PYTHONPATH`` pointing at it) for a "before" column.
+an older checkout for a "before" column: on ``PYTHONPATH``, or mounted beside
+this one under another package name (:func:`mount_checkout`), interleaved.
 """
 
 from __future__ import annotations
@@ -109,25 +110,34 @@ def tiny_llama(directory: str, hidden: int) -> str:
 class SchedulerSteps:
     """The connector's scheduler side (vLLM's factory, a real VllmConfig), ``items`` per step."""
 
-    def __init__(self, directory: str, items: int = 16, rows: int = 196) -> None:
+    def __init__(self, directory: str, items: int = 16, rows: int = 196,
+                 connector_module: str = "ecoffload.connector") -> None:  # fmt: skip
+        import importlib
+
         from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
         from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
         from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.makedirs(directory, exist_ok=True)
         model_dir = tempfile.mkdtemp(dir=directory)
         model = ModelConfig(model=tiny_llama(model_dir, 768), skip_tokenizer_init=True,
                             dtype="bfloat16", seed=0)  # fmt: skip
         transfer = ECTransferConfig(
-            ec_connector="ECOffloadConnector", ec_connector_module_path="ecoffload.connector",
+            ec_connector="ECOffloadConnector", ec_connector_module_path=connector_module,
             ec_role="ec_both",
             ec_connector_extra_config={"arena_dir": directory, "arena_bytes": "64MiB",
                                        "block_bytes": "64KiB"},
         )  # fmt: skip
         self.config = VllmConfig(model_config=model, ec_transfer_config=transfer)
         self.sched = ECConnectorFactory.create_connector(self.config, ECConnectorRole.SCHEDULER)
+        # The report type of the connector's own package (another checkout's, for "before").
+        self._worker_meta = importlib.import_module(f"{connector_module}.metadata")
         self.catalog = self.sched.side.catalog
         self.items, self.rows = items, rows
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        self._scheduler_output = SchedulerOutput.make_empty()  # vLLM's, made outside the hooks
         self.row_bytes = 768 * 2
         self._fresh = 0
         self.hit_request = self._request("hits", [f"hit-{i}" for i in range(items)])
@@ -157,20 +167,16 @@ class SchedulerSteps:
                        mm_features=features)  # fmt: skip
 
     def _step(self, request: Any) -> Any:
-        from vllm.v1.core.sched.output import SchedulerOutput
-
         for feature in request.mm_features:
             self.sched.has_cache_item(feature.identifier)
         for i in range(len(request.mm_features)):
             self.sched.update_state_after_alloc(request, i)
-        return self.sched.build_connector_meta(SchedulerOutput.make_empty())
+        return self.sched.build_connector_meta(self._scheduler_output)
 
     def _report(self, **fields: Any) -> None:
         from vllm.v1.outputs import ECConnectorOutput
 
-        from ..connector.metadata import ECOffloadWorkerMetadata
-
-        report = ECOffloadWorkerMetadata(**fields)
+        report = self._worker_meta.ECOffloadWorkerMetadata(**fields)
         self.sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
 
     def hits(self) -> None:
@@ -183,12 +189,15 @@ class SchedulerSteps:
     def hit_request_keys(self) -> list[str]:
         return [f.identifier for f in self.hit_request.mm_features]
 
-    def saves(self) -> tuple[Any, Any]:
-        """One step reserving 16 new items (a fresh request each call); returns
-        (request, metadata) for :meth:`settle_saves`."""
+    def fresh_request(self) -> Any:
+        """A request of 16 items never seen (made outside the timed step: vLLM makes it)."""
         self._fresh += 1
         keys = [f"new-{self._fresh}-{i}" for i in range(self.items)]
-        request = self._request(f"saves-{self._fresh}", keys)
+        return self._request(f"saves-{self._fresh}", keys)
+
+    def saves(self, request: Any) -> tuple[Any, Any]:
+        """One step reserving the 16 new items of ``request`` (:meth:`fresh_request`);
+        returns (request, metadata) for :meth:`settle_saves`."""
         meta = self._step(request)
         if len(meta.saves) != self.items:
             raise AssertionError(f"expected {self.items} saves, the step shipped {len(meta.saves)}")
@@ -204,3 +213,18 @@ class SchedulerSteps:
 
     def close(self) -> None:
         self.sched.shutdown()
+
+
+def mount_checkout(path: str, name: str = "ecoffload_before") -> str:
+    """Make the ecoffload checkout at ``path`` importable as package ``name`` (its modules
+    import each other relatively), to time it in this process beside this one; returns
+    ``name``."""
+    import sys
+
+    root = tempfile.mkdtemp(prefix="ecoffload-mount-")
+    package = os.path.join(root, name)
+    os.mkdir(package)
+    for sub in ("kernels", "engine", "connector", "profiling"):
+        os.symlink(os.path.abspath(os.path.join(path, sub)), os.path.join(package, sub))
+    sys.path.insert(0, root)
+    return name
