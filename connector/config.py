@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.arena import POPULATE_MODES, check_arena_name
+from ..engine.arena_format import POPULATE_MODES, check_arena_name
 from ..engine.errors import ArenaError, ConfigError
 from ..engine.sizes import parse_bytes
 

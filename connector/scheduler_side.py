@@ -47,7 +47,7 @@ from collections import Counter
 from typing import Any
 
 from ..engine.errors import CatalogError, DuplicateItemError
-from ..engine.shared_catalog import process_start_time
+from ..engine.liveness import process_start_time
 from ..kernels.step_table import StepTable
 from ..profiling.nvtx import nvtx_range
 from .compat import (

@@ -60,9 +60,9 @@ def run_once(size: int, mode: str, directory: str, item: torch.Tensor) -> tuple[
 
 
 def populate_threads(size: int) -> int:
-    from ..engine.arena import _PARALLEL_POPULATE_BYTES
+    from ..engine.populate import PARALLEL_POPULATE_BYTES
 
-    return 1 if size < _PARALLEL_POPULATE_BYTES else min(8, os.cpu_count() or 1)
+    return 1 if size < PARALLEL_POPULATE_BYTES else min(8, os.cpu_count() or 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from ecoffload.engine import arena as arena_mod
+from ecoffload.engine import arena_format
+from ecoffload.engine import populate as populate_mod
 from ecoffload.engine.arena import ANY_LAYOUT, HEADER_BYTES, Arena, layout_key_text
 from ecoffload.engine.errors import (
     ArenaAttachTimeout,
@@ -171,13 +173,13 @@ def test_refuses_arena_larger_than_free_space(arena_dir):
 
 
 def test_populate_falls_back_without_madvise_support(arena_dir, monkeypatch):
-    monkeypatch.setattr(arena_mod, "_MADV_POPULATE_WRITE", 0x7FFF)  # unknown advice: EINVAL
+    monkeypatch.setattr(populate_mod, "MADV_POPULATE_WRITE", 0x7FFF)  # unknown advice: EINVAL
     with create(arena_dir) as a:
         assert a.host.sum().item() == 0
 
 
 def test_populate_in_parallel_logs_progress(arena_dir, monkeypatch, caplog):
-    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", 8 * B)
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", 8 * B)
     with (
         caplog.at_level(logging.INFO, logger="ecoffload.engine.arena"),
         create(arena_dir, num_blocks=64, populate_threads=2),
@@ -263,7 +265,7 @@ def test_creator_that_died_while_initialising_is_detected_without_waiting(arena_
     header = arena_mod.Header(
         b"\0" * 8, 1, HEADER_BYTES, B, 1, HEADER_BYTES, dead.pid, 1, 7, 2, 1, 0, 0, 0
     )
-    os.pwrite(fd, arena_mod._HEADER.pack(*header), 0)
+    os.pwrite(fd, arena_format.HEADER.pack(*header), 0)
     os.close(fd)
     with pytest.raises(ArenaStaleError):
         Arena.attach("half", directory=arena_dir, timeout_s=30)
@@ -332,11 +334,11 @@ def test_attach_refuses_a_header_without_blocks_and_saturates_the_attach_count(a
     # Found by the header fuzzer: block_bytes 0 in a header-sized file escaped as a
     # ValueError from torch.frombuffer; a full attach counter as a struct.error.
     with create(arena_dir) as a:
-        struct.pack_into("<I", a._mm, arena_mod._ATTACHED_OFFSET, 2**32 - 1)
+        struct.pack_into("<I", a._mm, arena_format.ATTACHED_OFFSET, 2**32 - 1)
         with Arena.attach("a", directory=arena_dir, layout_key=KEY, timeout_s=0.2) as b:
             assert b.attached_processes() == 2**32 - 1
-        header = arena_mod.Header(*arena_mod._HEADER.unpack_from(a._mm))
-        arena_mod._HEADER.pack_into(a._mm, 0, *header._replace(block_bytes=0))
+        header = arena_mod.Header(*arena_format.HEADER.unpack_from(a._mm))
+        arena_format.HEADER.pack_into(a._mm, 0, *header._replace(block_bytes=0))
         os.truncate(a.path, HEADER_BYTES)
         with pytest.raises(ArenaLayoutMismatch) as err:
             Arena.attach("a", directory=arena_dir, layout_key=KEY, timeout_s=0.2)

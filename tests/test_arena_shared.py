@@ -6,6 +6,7 @@ warm-started (persistent); a dead populator's work is resumed.
 Real processes (spawn), SIGKILL where crash behaviour matters.
 """
 
+import fcntl
 import logging
 import multiprocessing as mp
 import os
@@ -18,6 +19,9 @@ import pytest
 import torch
 
 from ecoffload.engine import arena as arena_mod
+from ecoffload.engine import arena_format
+from ecoffload.engine import janitor as janitor_mod
+from ecoffload.engine import populate as populate_mod
 from ecoffload.engine.arena import HEADER_BYTES, Arena
 from ecoffload.engine.errors import ArenaAttachTimeout, ArenaError, ArenaLayoutMismatch
 
@@ -99,7 +103,7 @@ def test_a_joiner_that_finds_the_name_removed_under_it_creates_anew(arena_dir):
         block_of(a, 0).fill_(9)
     fd = os.open(os.path.join(arena_dir, "s"), os.O_RDWR)
     # Stand in for a last holder in its close: it holds the write lock...
-    assert arena_mod._ofd_lock(fd, arena_mod.fcntl.F_WRLCK, arena_mod._HOLDERS_BYTE, wait=False)
+    assert janitor_mod.ofd_lock(fd, fcntl.F_WRLCK, arena_format.HOLDERS_BYTE, wait=False)
     got = []
     t = threading.Thread(target=lambda: got.append(open_shared(arena_dir, persistent=True)))
     t.start()
@@ -124,7 +128,7 @@ def janitors(path):
                 args = f.read().split(b"\0")
         except OSError:
             continue
-        if path.encode() in args and b"-c" in args:
+        if path.encode() in args and janitor_mod.__file__.encode() in args:
             found.append(int(pid))
     return found
 
@@ -171,7 +175,7 @@ def test_a_persistent_file_outlives_its_holders_and_is_warm_started(arena_dir):
     def on_warm_start(arena):
         # While it validates, no other process can finish opening the file.
         fd = os.open(arena.path, os.O_RDWR)
-        locked = arena_mod._ofd_lock(fd, arena_mod.fcntl.F_RDLCK, arena_mod._HOLDERS_BYTE,
+        locked = janitor_mod.ofd_lock(fd, fcntl.F_RDLCK, arena_format.HOLDERS_BYTE,
                                      wait=False)  # fmt: skip
         os.close(fd)
         seen.append((arena.warm_started, locked, block_of(arena, 0).tolist()[:2]))
@@ -247,8 +251,8 @@ def test_a_creator_that_died_before_the_magic_is_reclaimed(arena_dir):
     dead.join()
     header = arena_mod.Header(b"\0" * 8, arena_mod.FORMAT_VERSION, HEADER_BYTES, B, 8,
                               HEADER_BYTES, dead.pid, 1, 7, 0, 1, 0, 0, 0)  # fmt: skip
-    os.pwrite(fd, arena_mod._HEADER.pack(*header), 0)
-    os.pwrite(fd, struct.pack("<I", arena_mod.SHARED_LIFETIME), arena_mod._LIFETIME_OFFSET)
+    os.pwrite(fd, arena_format.HEADER.pack(*header), 0)
+    os.pwrite(fd, struct.pack("<I", arena_mod.SHARED_LIFETIME), arena_format.LIFETIME_OFFSET)
     os.close(fd)
     with open_shared(arena_dir, timeout_s=10) as c:
         assert c.created and c.nonce != 7
@@ -256,14 +260,14 @@ def test_a_creator_that_died_before_the_magic_is_reclaimed(arena_dir):
 
 
 def _slow_populating_creator(arena_dir, name, created, persistent):
-    arena_mod._POPULATE_CHUNK = B  # one page per chunk, 20 ms each
-    fault = arena_mod._fault
+    populate_mod.POPULATE_CHUNK = B  # one page per chunk, 20 ms each
+    fault = populate_mod.prefault
 
     def slow(*args):
         time.sleep(0.02)
         fault(*args)
 
-    arena_mod._fault = slow
+    populate_mod.prefault = slow
     a = open_shared(arena_dir, name, num_blocks=64, populate="background", persistent=persistent)
     created.put(a.created)
     time.sleep(120)
@@ -302,7 +306,7 @@ def test_a_persistent_arena_whose_populator_died_alone_resumes_at_warm_start(are
     p.start()
     assert created.get(timeout=120)
     fd = os.open(os.path.join(arena_dir, "s"), os.O_RDONLY)
-    while struct.unpack("<Q", os.pread(fd, 8, arena_mod._READY_OFFSET))[0] < 4 * B:
+    while struct.unpack("<Q", os.pread(fd, 8, arena_format.READY_OFFSET))[0] < 4 * B:
         time.sleep(0.01)
     os.close(fd)
     os.kill(p.pid, signal.SIGKILL)

@@ -19,7 +19,8 @@ import types
 import pytest
 import torch
 
-from ecoffload.engine import arena as arena_mod
+from ecoffload.engine import arena_registration as registration_mod
+from ecoffload.engine import populate as populate_mod
 from ecoffload.engine import transfer as transfer_mod
 from ecoffload.engine.allocator import BlockAllocator, Extent
 from ecoffload.engine.arena import Arena
@@ -33,7 +34,7 @@ CHUNK = 4 * B  # populate chunk in these tests: 4 blocks
 
 
 def _slow_fault(delay_s):
-    real = arena_mod._fault
+    real = populate_mod.prefault
 
     def fault(*args):
         time.sleep(delay_s)
@@ -47,8 +48,8 @@ def slow_populate(monkeypatch):
     """Chunks of 4 blocks, each taking ``delay`` seconds to fault (default 0.02 s)."""
 
     def install(delay_s=0.02):
-        monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
-        monkeypatch.setattr(arena_mod, "_fault", _slow_fault(delay_s))
+        monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
+        monkeypatch.setattr(populate_mod, "prefault", _slow_fault(delay_s))
 
     return install
 
@@ -132,7 +133,7 @@ def test_eager_and_lazy_are_ready_at_once_without_threads(arena_dir, slow_popula
 
 def test_lazy_faults_nothing(arena_dir, monkeypatch):
     calls = []
-    monkeypatch.setattr(arena_mod, "_fault", lambda *args: calls.append(args))
+    monkeypatch.setattr(populate_mod, "prefault", lambda *args: calls.append(args))
     with create(arena_dir, populate="lazy"):
         pass
     assert calls == []
@@ -162,7 +163,7 @@ def test_progress_is_logged_with_percent_rate_and_eta(
     arena_dir, slow_populate, monkeypatch, caplog
 ):
     slow_populate(0.005)
-    monkeypatch.setattr(arena_mod, "_PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(populate_mod, "PROGRESS_EVERY_S", 0.0)
     with (
         caplog.at_level(logging.INFO, logger="ecoffload.engine.arena"),
         create(arena_dir, populate="background") as a,
@@ -175,8 +176,8 @@ def test_progress_is_logged_with_percent_rate_and_eta(
 
 
 def test_a_populate_failure_stops_at_the_ready_prefix_and_says_so(arena_dir, monkeypatch, caplog):
-    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
-    real, calls = arena_mod._fault, []
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
+    real, calls = populate_mod.prefault, []
 
     def fail_third(mm, base, offset, size, path):
         calls.append(offset)
@@ -184,7 +185,7 @@ def test_a_populate_failure_stops_at_the_ready_prefix_and_says_so(arena_dir, mon
             raise OSError(12, "pre-faulting: Cannot allocate memory")
         real(mm, base, offset, size, path)
 
-    monkeypatch.setattr(arena_mod, "_fault", fail_third)
+    monkeypatch.setattr(populate_mod, "prefault", fail_third)
     with (
         caplog.at_level(logging.ERROR, logger="ecoffload.engine.arena"),
         create(arena_dir, populate="background", populate_threads=1) as a,
@@ -229,8 +230,8 @@ def test_close_during_populate_stops_threads_promptly_and_leaks_nothing(arena_di
 
 
 def _create_and_hang_in_populate(arena_dir, started):
-    arena_mod._POPULATE_CHUNK = CHUNK
-    arena_mod._fault = _slow_fault(0.2)
+    populate_mod.POPULATE_CHUNK = CHUNK
+    populate_mod.prefault = _slow_fault(0.2)
     arena = Arena.create("dying", block_bytes=B, num_blocks=256, directory=arena_dir,
                          processes=3, register_cuda="never", populate="background")  # fmt: skip
     started.set()
@@ -333,7 +334,7 @@ def test_registration_follows_the_ready_prefix_chunk_by_chunk(
 ):
     slow_populate(0.1)  # slow enough that a busy host's registrar sees the first chunk alone
     runtime = fake_cupy()
-    monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", 4 * CHUNK)
+    monkeypatch.setattr(registration_mod, "REGISTER_SPAN", 4 * CHUNK)
     with create(arena_dir, populate="background", register_cuda="auto") as a:
         assert a.registered
         assert a.wait_ready(30) and a.registered_fraction == 1.0
@@ -349,8 +350,8 @@ def test_registration_follows_the_ready_prefix_chunk_by_chunk(
 
 def test_a_failed_chunk_stays_host_only_with_one_warning(arena_dir, fake_cupy, monkeypatch, caplog):
     runtime = fake_cupy(fail_offsets={CHUNK, 2 * CHUNK})
-    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
-    monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", CHUNK)
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
+    monkeypatch.setattr(registration_mod, "REGISTER_SPAN", CHUNK)
     with (
         caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
         create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a,
@@ -366,8 +367,8 @@ def test_a_failed_chunk_stays_host_only_with_one_warning(arena_dir, fake_cupy, m
 
 def test_mover_copies_unregistered_blocks_through_host_memory(arena_dir, fake_cupy, monkeypatch):
     fake_cupy(fail_offsets={CHUNK})
-    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
-    monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", CHUNK)
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
+    monkeypatch.setattr(registration_mod, "REGISTER_SPAN", CHUNK)
     backends = []
     real_pack = transfer_mod.pack
 
@@ -488,7 +489,7 @@ def test_no_device_alias_means_host_copies_and_one_warning(
     arena_dir, fake_cupy, monkeypatch, caplog, populate
 ):
     runtime = fake_cupy(alias_fails=True)
-    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
     with (
         caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
         create(arena_dir, num_blocks=16, populate=populate, register_cuda="auto") as a,
@@ -508,8 +509,8 @@ def test_no_device_alias_means_host_copies_and_one_warning(
 
 def test_a_failed_first_chunk_leaves_the_rest_registered(arena_dir, fake_cupy, monkeypatch):
     fake_cupy(fail_offsets={0})
-    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", CHUNK)
-    monkeypatch.setattr(arena_mod, "_REGISTER_SPAN", CHUNK)
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
+    monkeypatch.setattr(registration_mod, "REGISTER_SPAN", CHUNK)
     with create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a:
         assert a.wait_ready(10)
         assert not a.covers([(0, 1)]) and a.covers([(4, 12)])

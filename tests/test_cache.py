@@ -251,11 +251,11 @@ def test_a_persistent_shared_cache_restarts_warm_and_drops_corrupted_items(arena
 def _slow_background_creator(arena_dir, created):
     import time
 
-    from ecoffload.engine import arena as arena_mod
+    from ecoffload.engine import populate as populate_mod
 
-    arena_mod._POPULATE_CHUNK = B  # one block per chunk, 0.3 s each: saves outpace it
-    fault = arena_mod._fault
-    arena_mod._fault = lambda *a: (time.sleep(0.3), fault(*a))
+    populate_mod.POPULATE_CHUNK = B  # one block per chunk, 0.3 s each: saves outpace it
+    fault = populate_mod.prefault
+    populate_mod.prefault = lambda *a: (time.sleep(0.3), fault(*a))
     c = OffloadCache.create("bg", arena_bytes=32 * B, block_bytes=B, directory=arena_dir,
                             shared=True, populate="background")  # fmt: skip
     created.put(c.arena.created)

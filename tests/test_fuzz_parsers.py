@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from ecoffload.connector.config import DEFAULTS, OffloadConfig
 from ecoffload.engine import arena as arena_mod
+from ecoffload.engine import arena_format
 from ecoffload.engine.arena import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -217,10 +218,10 @@ def _header_property(arena_dir, change, processes, key_given):
         path = creator.path
         fd = os.open(path, os.O_RDWR)
         try:
-            header = arena_mod.Header(*arena_mod._HEADER.unpack_from(os.pread(fd, 128, 0)))
+            header = arena_mod.Header(*arena_format.HEADER.unpack_from(os.pread(fd, 128, 0)))
             if field in arena_mod.Header._fields:
                 header = header._replace(**{field: value})
-                os.pwrite(fd, arena_mod._HEADER.pack(*header), 0)
+                os.pwrite(fd, arena_format.HEADER.pack(*header), 0)
             elif field == "key":
                 os.pwrite(fd, value, 128)
             elif field == "tail":
@@ -274,7 +275,7 @@ def test_create_writes_the_header_the_fuzzer_changes(arena_dir):
     with Arena.create("h", block_bytes=2 * B, num_blocks=5, layout_key=LAYOUT, processes=3,
                       directory=arena_dir, register_cuda="never") as a:  # fmt: skip
         raw = os.pread(a._fd, HEADER_BYTES, 0)
-    header = arena_mod.Header(*arena_mod._HEADER.unpack_from(raw))
+    header = arena_mod.Header(*arena_format.HEADER.unpack_from(raw))
     assert header == arena_mod.Header(
         MAGIC, FORMAT_VERSION, HEADER_BYTES, 2 * B, 5, HEADER_BYTES, os.getpid(),
         process_start_time(os.getpid()), a.nonce, 3, 1, len(LAYOUT), 0, 0,

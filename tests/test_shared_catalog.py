@@ -17,10 +17,16 @@ import zlib
 import pytest
 from test_catalog import B, open_shared
 
-from ecoffload.engine import shared_catalog
+from ecoffload.engine import fault_points, shared_catalog, shared_catalog_format
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.catalog import ItemState
-from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogCapacityError, ItemStateError
+from ecoffload.engine.errors import (
+    ArenaLayoutMismatch,
+    CatalogCapacityError,
+    InvalidSizeError,
+    ItemStateError,
+)
+from ecoffload.engine.liveness import process_start_time
 from ecoffload.engine.shared_catalog import SharedCatalog
 
 
@@ -145,7 +151,7 @@ def test_stopped_inside_an_update_then_recovered(tmp_path, monkeypatch, point):
         if name == point:
             raise _Died(name)
 
-    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    monkeypatch.setattr(fault_points, "hook", hook)
     with pytest.raises(_Died):
         c.reserve("c", 5 * B)  # evicts a
         c.commit("c")
@@ -153,7 +159,7 @@ def test_stopped_inside_an_update_then_recovered(tmp_path, monkeypatch, point):
         c.unpin("c")
         c.evict("c")
         c.recover()
-    monkeypatch.setattr(shared_catalog, "fault_hook", None)
+    monkeypatch.setattr(fault_points, "hook", None)
     with pytest.raises(AssertionError, match="dirty"):
         c.check()
     other = reopen(tmp_path / "c")  # the next locker rebuilds
@@ -318,10 +324,10 @@ def test_recovery_rebuilds_free_extents_below_the_watermark_only(tmp_path, monke
         if name == "add_ready:freed":
             raise _Died(name)
 
-    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    monkeypatch.setattr(fault_points, "hook", hook)
     with pytest.raises(_Died):
         c.add_ready(10)  # stopped after freeing [4, 10), before the watermark moved
-    monkeypatch.setattr(shared_catalog, "fault_hook", None)
+    monkeypatch.setattr(fault_points, "hook", None)
     other = reopen(tmp_path / "c")  # finds it dirty and rebuilds from the slot table
     assert other.recoveries >= 2
     assert (other.allocator.ready_blocks, other.stats().free_blocks) == (4, 2)
@@ -336,7 +342,7 @@ def test_recovery_rebuilds_free_extents_below_the_watermark_only(tmp_path, monke
 
 def test_check_refuses_a_free_block_beyond_the_watermark(tmp_path):
     c = open_ready(tmp_path / "c", 8, 4)
-    c._w[shared_catalog.H_READY_BLOCKS] = 2  # the free extent [0, 4) now reaches past it
+    c._w[shared_catalog_format.H_READY_BLOCKS] = 2  # the free extent [0, 4) now reaches past it
     with pytest.raises(AssertionError, match="beyond the ready watermark"):
         c.check()
     c.recover()  # a rebuild trusts the watermark: blocks 2 and 3 are neither free nor lost
@@ -384,7 +390,7 @@ def test_verify_drops_ready_items_whose_bytes_fail_their_crc(tmp_path, caplog):
     assert "'bad' fails its CRC-32" in caplog.text and "'pinned'" in caplog.text
     assert "4 item(s) checked, 1 dropped, 1 without a CRC" in caplog.text
     c.check()
-    with pytest.raises(shared_catalog.InvalidSizeError, match="16 blocks"):
+    with pytest.raises(InvalidSizeError, match="16 blocks"):
         c.verify(bytearray(B))
     c.close()
 
@@ -403,7 +409,7 @@ def test_entries_name_the_process_that_produced_them(tmp_path):
     p.join(60)
     assert p.exitcode == 0
     mine = c.reserve("mine", B)
-    me = (os.getpid(), shared_catalog.process_start_time(os.getpid()))
+    me = (os.getpid(), process_start_time(os.getpid()))
     assert mine.producer == me
     other = reopen(tmp_path / "c")
     assert other.commit("mine").producer == me  # kept after another object's commit

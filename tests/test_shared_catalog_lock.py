@@ -11,6 +11,7 @@ fresh mutex.
 """
 
 import ctypes
+import errno
 import multiprocessing as mp
 import os
 import platform
@@ -23,11 +24,13 @@ import pytest
 from test_catalog import B, open_shared
 from test_shared_catalog import reopen
 
-from ecoffload.engine import shared_catalog
+from ecoffload.engine import fault_points, robust_mutex, shared_catalog
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogLockError
-from ecoffload.engine.shared_catalog import H_BOOT, MUTEX_AT, SharedCatalog
+from ecoffload.engine.liveness import boot_id
+from ecoffload.engine.shared_catalog import SharedCatalog
+from ecoffload.engine.shared_catalog_format import H_BOOT, H_VERSION, MUTEX_AT, MUTEX_SLOT
 
 UPDATE_POINTS = ["reserve:written", "commit:published", "pin:record", "unpin:record",
                  "drop:unpublished"]  # fmt: skip
@@ -59,7 +62,7 @@ def kill_while_holding(path, point):
                     os.write(w, b"x")
                     time.sleep(60)
 
-            shared_catalog.fault_hook = hook
+            fault_points.hook = hook
             if point == "holding":
                 c._lock()
                 os.write(w, b"x")
@@ -147,7 +150,7 @@ def test_a_thread_waits_for_another_threads_update(tmp_path, monkeypatch):
             inside.set()
             assert go.wait(10)
 
-    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    monkeypatch.setattr(fault_points, "hook", hook)
     committer = threading.Thread(target=c.commit, args=("x",))
     committer.start()
     assert inside.wait(10)  # the committer holds the lock, halfway through its update
@@ -175,10 +178,10 @@ def test_a_failed_recovery_still_leaves_the_lock_usable(tmp_path, monkeypatch):
         if name == "recover:slots":
             raise RuntimeError("recovery failed")
 
-    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    monkeypatch.setattr(fault_points, "hook", hook)
     with pytest.raises(RuntimeError, match="recovery failed"):
         reopen(path)  # took the lock over (EOWNERDEAD), then the rebuild failed
-    monkeypatch.setattr(shared_catalog, "fault_hook", None)
+    monkeypatch.setattr(fault_points, "hook", None)
     other = reopen(path)  # not ENOTRECOVERABLE: marked consistent before the unlock
     assert other.lock_deaths == 1  # the death was seen once; the catalog stayed dirty
     other.check()
@@ -191,8 +194,8 @@ def test_an_unrecoverable_lock_names_the_file_and_the_remedy(tmp_path):
     path = tmp_path / "c"
     c = _setup(path)
     kill_while_holding(path, "holding")
-    pt = shared_catalog._PT  # what a foreign process could do: unlock without consistent
-    assert pt.pthread_mutex_trylock(c._mx) == shared_catalog.errno.EOWNERDEAD
+    pt = robust_mutex.PT  # what a foreign process could do: unlock without consistent
+    assert pt.pthread_mutex_trylock(c._mx) == errno.EOWNERDEAD
     assert pt.pthread_mutex_unlock(c._mx) == 0
     with pytest.raises(CatalogLockError, match=rf"{path}.*unrecoverable.*remove the file"):
         c.lookup("a")
@@ -220,10 +223,10 @@ def test_a_catalog_call_inside_another_raises_instead_of_hanging(tmp_path, monke
         if name == "reserve:written":
             c.lookup("x")  # the same thread, the lock held
 
-    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    monkeypatch.setattr(fault_points, "hook", hook)
     with pytest.raises(CatalogLockError, match="already holds its lock"):
         c.reserve("x", B)
-    monkeypatch.setattr(shared_catalog, "fault_hook", None)
+    monkeypatch.setattr(fault_points, "hook", None)
     assert c.state("x") is None and c.recoveries == 2  # left dirty, rebuilt by the next
     c.check()
     c.close()
@@ -252,7 +255,7 @@ def test_a_file_from_another_boot_gets_a_fresh_lock(tmp_path):
     t.join(20)
     assert got, "opening waited for a lock held by a thread of another boot"
     other = got[0]
-    assert other._w[H_BOOT : H_BOOT + 2].tolist() == list(shared_catalog._boot_id())
+    assert other._w[H_BOOT : H_BOOT + 2].tolist() == list(boot_id())
     assert other.state("a") is ItemState.READY and other.lock_deaths == 0
     other.check()
     other.close()
@@ -270,7 +273,7 @@ def _arena_holder_dies_in_commit(arena_dir, meta):
         arena.host[e.extents[0].start * B : (e.extents[0].start + 3) * B] = 7
         cat.commit("kept", zlib.crc32(bytes([7]) * 3 * B))
         cat.reserve("lost", 2 * B)
-        shared_catalog.fault_hook = hook
+        fault_points.hook = hook
         cat.commit("lost")  # killed inside the update, holding the lock
 
 
@@ -303,16 +306,16 @@ def test_a_persistent_arena_whose_holder_died_holding_the_lock_is_warm_started(a
 
 def test_the_mutex_slot_holds_a_pthread_mutex():
     # ctypes cannot tell sizeof(pthread_mutex_t); the table must cover this machine.
-    size = shared_catalog._MUTEX_BYTES.get(platform.machine())
-    assert size is not None and size <= shared_catalog.MUTEX_SLOT
-    assert MUTEX_AT % 64 == 0 and MUTEX_AT + shared_catalog.MUTEX_SLOT <= H_BOOT * 8
+    size = robust_mutex.MUTEX_BYTES.get(platform.machine())
+    assert size is not None and size <= MUTEX_SLOT
+    assert MUTEX_AT % 64 == 0 and MUTEX_AT + MUTEX_SLOT <= H_BOOT * 8
     assert ctypes.sizeof(ctypes.c_void_p) == 8
 
 
 def test_a_file_of_the_previous_format_is_refused_before_its_lock_is_touched(tmp_path):
     path = tmp_path / "c"
     c = open_shared(path, 8)
-    c._w[shared_catalog.H_VERSION] = 2  # as a catalog of the fcntl-locked format leaves it
+    c._w[H_VERSION] = 2  # as a catalog of the fcntl-locked format leaves it
     c._w[MUTEX_AT // 8 : MUTEX_AT // 8 + 8] = memoryview(bytes(64)).cast("q")  # no mutex
     c.close()
     with pytest.raises(ArenaLayoutMismatch, match="'catalog version' is 2, expected 3"):
@@ -329,7 +332,7 @@ def test_a_child_forked_while_another_thread_holds_the_lock_waits_for_it(tmp_pat
             inside.set()
             assert go.wait(10)
 
-    monkeypatch.setattr(shared_catalog, "fault_hook", hook)
+    monkeypatch.setattr(fault_points, "hook", hook)
     committer = threading.Thread(target=c.commit, args=("x",))
     committer.start()
     assert inside.wait(10)  # the parent's other thread holds the lock, mid-update

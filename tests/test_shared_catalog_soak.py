@@ -25,7 +25,7 @@ import zlib
 
 import pytest
 
-from ecoffload.engine import shared_catalog
+from ecoffload.engine import fault_points, shared_catalog
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import CatalogError
 from ecoffload.engine.shared_catalog import SharedCatalog
@@ -64,7 +64,7 @@ def role_main(path, role, index, seed, ops, kills_inside, bad, started):
         elif r < P_KILL + P_SLEEP:
             time.sleep(0.002)
 
-    shared_catalog.fault_hook = hook
+    fault_points.hook = hook
     catalog, data = _open(path)
     started[index] = os.getpid()  # the parent kills only processes that got this far
     done = 0
