@@ -99,8 +99,8 @@ class SchedulerSide:
         # Pinned hits not yet scheduled: the entry the pinning lookup returned (pinned, so
         # it stays as read: nothing asks the catalog again for it).
         self._promised: dict[str, Any] = {}
-        self._loads: dict[str, tuple[LoadSpec, list]] = {}  # key -> (spec, extents)
-        self._saves: dict[str, tuple[int, int, list]] = {}  # key -> (nbytes, generation, extents)
+        self._loads: dict[str, tuple[LoadSpec, Any]] = {}  # key -> (spec, entry)
+        self._saves: dict[str, tuple[int, int, Any]] = {}  # key -> (nbytes, generation, entry)
         self._shipped: dict[int, tuple[list[str], list[str]]] = {}  # step -> (saves, loads)
         self._sizes: dict[str, tuple[str, int]] = {}  # key -> (modality, rows) asked to save
         self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
@@ -129,8 +129,7 @@ class SchedulerSide:
         key = feature.identifier
         entry = self._promised.pop(key, None)
         if entry is not None:  # the pinned entry has_cache_item read: no second round trip
-            self._loads[key] = (LoadSpec(key, entry.nbytes, entry.dtype, entry.shape),
-                                entry.extents)  # fmt: skip
+            self._loads[key] = (LoadSpec(key, entry.nbytes, entry.dtype, entry.shape), entry)
             return
         if key in self._loads or not self.producer or self.catalog.state(key) is not None:
             return  # loading, not ours to save, or saved (or being saved) by any instance
@@ -152,7 +151,7 @@ class SchedulerSide:
         if entry is None:
             self._counts["saves_skipped_no_room"] += 1
             return
-        self._saves[key] = (entry.nbytes, entry.generation, entry.extents)
+        self._saves[key] = (entry.nbytes, entry.generation, entry)
         if self._reports:
             self._writing[key] = (entry.nbytes, entry.generation)
 
@@ -179,8 +178,8 @@ class SchedulerSide:
             loads=[spec for spec, _ in loads.values()],
             saves={key: SaveSpec(i, nbytes, generation)
                    for i, (key, (nbytes, generation, _)) in enumerate(saves.items())},
-            load_table=StepTable.from_tables([extents for _, extents in loads.values()]),
-            save_table=StepTable.from_tables([extents for _, _, extents in saves.values()]),
+            load_table=StepTable.of_entries([entry for _, entry in loads.values()]),
+            save_table=StepTable.of_entries([entry for _, _, entry in saves.values()]),
         )  # fmt: skip
         if loads or (saves and self._reports):
             self._shipped[self._step] = (list(saves), list(loads))

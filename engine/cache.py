@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.step_table import StepTable
 from ..profiling.nvtx import nvtx_range
 from .allocator import BlockAllocator
 from .arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
@@ -190,20 +191,20 @@ class OffloadCache:
             self.poll()
             if self.catalog.allocator.ready_blocks < self.arena.num_blocks:
                 self.catalog.allocator.add_ready(self.arena.ready_blocks)
-            result, sources, tables = SaveResult(), [], []
+            result, sources, entries = SaveResult(), [], []
             result.already_cached = [k for k in items if self.catalog.state(k) is not None]
             ready = [k for k in result.already_cached if k in self.catalog]
             for key in ready:  # protected while this batch reserves
                 self.catalog.pin(key)
             try:
-                self._reserve_batch(items, result, sources, tables)
+                self._reserve_batch(items, result, sources, entries)
             finally:
                 for key in ready:
                     self.catalog.unpin(key)
             if not sources:
                 return result
             try:
-                done = self.mover.save(sources, tables)
+                done = self.mover.save(sources, StepTable.of_entries(entries))
             except BaseException:
                 for key in result.saved:
                     self.catalog.abort(key)
@@ -217,7 +218,7 @@ class OffloadCache:
         items: Mapping[str, torch.Tensor],
         result: SaveResult,
         sources: list[torch.Tensor],
-        tables: list,
+        entries: list,
     ) -> None:
         for key, tensor in items.items():
             if key in result.already_cached:
@@ -231,7 +232,7 @@ class OffloadCache:
                 continue
             result.saved.append(key)
             sources.append(tensor)
-            tables.append(entry.extents)
+            entries.append(entry)
 
     def load(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Tensors of the ready keys among ``keys`` (misses are left out), in one launch."""
@@ -244,7 +245,7 @@ class OffloadCache:
                 self.catalog.pin(entry.key)
             specs = [(dtype_from_name(e.dtype), e.shape) for e in entries]
             try:
-                outputs, done = self.mover.load([e.extents for e in entries], specs)
+                outputs, done = self.mover.load(StepTable.of_entries(entries), specs)
             except BaseException:
                 for entry in entries:
                     self.catalog.unpin(entry.key)

@@ -61,6 +61,17 @@ class StepTable(Sequence):
         return table
 
     @classmethod
+    def of_entries(cls, entries: Sequence) -> StepTable:
+        """The step table of catalog entries (anything with an int64 [k, 2]
+        ``extent_array``: each entry makes its array once, so a step costs one
+        concatenation, whatever its extents)."""
+        if not entries:
+            return cls._made(_NO_EXTENTS, _NO_BOUNDS)
+        arrays = [e.extent_array for e in entries]
+        bounds = np.array([0, *accumulate(map(len, arrays))], np.int64)
+        return cls._made(np.concatenate(arrays), bounds)
+
+    @classmethod
     def concat(cls, tables: Sequence[StepTable]) -> StepTable:
         """One step table holding the items of ``tables``, in order."""
         if not tables:

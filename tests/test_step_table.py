@@ -89,3 +89,20 @@ def test_a_faulty_step_table_is_named_as_precisely_as_per_item_tables(monkeypatc
         plan_copy([0, 8192], [8000, 10], overlapping, block_bytes=4096, arena_bytes=8 * 4096,
                   items_bytes=8202)  # fmt: skip
     assert numpy_refusals == [None]  # the numpy pass saw it too, and handed it to the loop
+
+
+def test_a_step_of_catalog_entries_is_their_extents_concatenated():
+    from ecoffload.engine.allocator import BlockAllocator
+    from ecoffload.engine.catalog import Catalog
+
+    catalog = Catalog(BlockAllocator(32, 4096))
+    fillers = [catalog.reserve(f"fill-{i}", 4096) for i in range(32)]
+    for entry in fillers[::2]:  # every other block free: the next items get several extents
+        catalog.abort(entry.key)
+    entries = [catalog.reserve(f"item-{i}", n) for i, n in enumerate([4096 * 3, 100, 4096 * 5])]
+    step = StepTable.of_entries(entries)
+    assert list(step) == [list(e.extents) for e in entries]
+    assert step.num_extents == 9 and step.extents.dtype == np.int64
+    assert StepTable.of_entries([]) == StepTable.from_tables([])
+    with pytest.raises(ValueError):  # an entry's array is made once and never written
+        entries[0].extent_array[0, 0] = 7
