@@ -236,6 +236,56 @@ def scheduler_rows(repeat: int, directory: str, before: str | None = None) -> li
     return rows
 
 
+def worker_rows(repeat: int, directory: str, before: str | None = None) -> list[dict]:
+    """The connector's worker hooks per step through vLLM's V1 runner code (16 saves; 16
+    loads; copies included: on a CPU host the reference copy); with ``before`` (another
+    checkout), its connector too, steps interleaved."""
+    try:
+        from .real_path_steps import SchedulerSteps, WorkerSteps, mount_checkout
+
+        modules = ["ecoffload.connector"]
+        if before is not None:
+            modules.insert(0, f"{mount_checkout(before)}.connector")
+        made = []
+        for i, module in enumerate(modules):
+            sched = SchedulerSteps(os.path.join(directory, f"worker-{i}"),
+                                   connector_module=module)  # fmt: skip
+            made.append(WorkerSteps(sched))
+    except ImportError as e:  # no vLLM here
+        print(f"(worker rows skipped: {e})")
+        return []
+    rows = []
+    try:
+        for steps in made:  # the bytes come back as saved (a wrong copy is no benchmark)
+            steps.deliver(steps.run(steps.save_step()))
+            steps.deliver(steps.run(steps.load_step()))
+            for key, tensor in steps.outputs.items():
+                if not torch.equal(steps.encoder_cache[key], tensor):
+                    raise AssertionError(f"{key}: the worker loaded other bytes than it saved")
+        for direction, prepare in (("save", "save_step"), ("load", "load_step")):
+            samples: list[list[float]] = [[] for _ in made]
+            for _ in range(max(5, repeat // 4)):
+                for steps, mine in zip(made, samples, strict=True):
+                    step = getattr(steps, prepare)()
+                    start = time.perf_counter()
+                    output = steps.run(step)
+                    mine.append(time.perf_counter() - start)
+                    steps.deliver(output)
+            times = [statistics.median(mine) for mine in samples]
+            row = dict(group="connector worker hooks per step (vLLM's V1 runner code)",
+                       step=f"16 {direction}s of 196 x 768 bf16, copies included",
+                       catalog="shared", direction=direction, extents=16,
+                       now_us=times[-1] * 1e6)  # fmt: skip
+            if before is not None:
+                row.update(before_us=times[0] * 1e6, ratio=times[0] / times[-1])
+            rows.append(row)
+    finally:
+        for steps in made:
+            steps.close()
+            steps.s.close()
+    return rows
+
+
 def cuda_rows(repeat: int) -> list[dict]:
     """Full save/load host time through a real mover, and the stall test (CUDA only)."""
     from ..engine.arena import Arena
@@ -272,20 +322,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--json", help="also write the real-path rows to this file")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch's intra-op threads (default 1: on a busy 2-vCPU host its "
+                             "pool's spin-waits made a 300 KB host copy_ 10-30x slower)")
     parser.add_argument("--real-only", action="store_true", help="only the real-path rows")
     parser.add_argument("--before", metavar="CHECKOUT",
                         help="an older checkout of the repository: its connector's scheduler "
                              "hooks timed interleaved with this one's (the 'before' column)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
     c_pass = native.planner()
     where = f"C pass ({c_pass.__file__})" if c_pass else "Python passes (no C pass: see the log)"
-    print(f"torch {torch.__version__}, host cost per call, median of up to {args.repeat} calls "
-          f"(interleaved); planning and item layout now: {where}\n")  # fmt: skip
+    print(f"torch {torch.__version__} ({args.torch_threads} intra-op threads), host cost per "
+          f"call, median of up to {args.repeat} calls (interleaved); planning and item layout "
+          f"now: {where}\n")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="ecoffload-bench-host-", dir="/dev/shm") as tmp:
         real = real_path_rows(args.repeat, tmp) + scheduler_rows(args.repeat, tmp, args.before)
+        real += worker_rows(args.repeat, tmp, args.before)
     print("Real paths (the entry points users call; tables as the catalogs hand them out):\n")
     print("The anchor: the frozen pre-issue-10 host path (planning rows), or the checkout given "
-          "as --before (scheduler rows).\n")
+          "as --before (connector rows).\n")
     print("| rows | step | catalog | direction | extents | anchor (us) | now (us) | anchor / now |")
     print("|---|---|---|---|---|---|---|---|")
     for r in real:

