@@ -46,6 +46,7 @@ from functools import partial
 
 import torch
 
+from ..engine import cache as cache_module
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, empty_items, native
 from ..kernels import api as kernels_api
 from . import anchor_host_path as before
@@ -182,16 +183,18 @@ def planning_rows(steps, name: str, catalog: str, count: int, n: int) -> list[di
     sources = list(steps.sources.values())
     specs = [(t.dtype, tuple(t.shape)) for t in sources]
     arena, block = cache.arena.host, cache.arena.block_bytes
-    made = getattr(cache.catalog, "step_table", None)  # the catalog's own step table
-    tables = made(keys) if made is not None else [cache.catalog.entry(k).extents for k in keys]
-    anchor_tables = [list(cache.catalog.entry(k).extents) for k in keys]
+    entries = [cache.catalog.entry(k) for k in keys]
+    anchor_tables = [list(e.extents) for e in entries]
+    # What OffloadCache hands its mover for these entries (timed with the plan); a
+    # checkout without engine.cache.step_tables hands the entries' extent lists.
+    tables_of = getattr(cache_module, "step_tables", lambda es: [e.extents for e in es])
     rows = []
     for direction, old, new, first in (
         ("save", old_save, new_save, sources),
         ("load", old_load, new_load, specs),
     ):
         calls = [partial(old, first, anchor_tables, arena, block),
-                 partial(new, first, tables, arena, block)]  # fmt: skip
+                 lambda new=new, first=first: new(first, tables_of(entries), arena, block)]
         t_old, t_new = timed_side_by_side(calls, n)
         rows.append(dict(group="planning the catalog's tables", step=name, catalog=catalog,
                          direction=direction, extents=count, before_us=t_old * 1e6,
