@@ -106,7 +106,9 @@ class SchedulerSide:
         self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
         self._row_bytes_of_config: dict[str, int | None] = {}  # modality -> from the config
         self._load_reports: Counter[str] = Counter()  # rank reports not yet turned into unpins
-        self._loading: Counter[str] = Counter()  # shipped loads still holding a pin
+        # Shipped loads still holding a pin: key -> how many (a dict, not a Counter: its
+        # Python-level __delitem__ showed in the per-hit profile).
+        self._loading: dict[str, int] = {}
         self._load_nbytes: dict[str, int] = {}  # shipped load -> its bytes (for the counters)
         self._writing: dict[str, tuple[int, int]] = {}  # shipped save -> (nbytes, generation)
         self._reported: dict[str, int] = {}
@@ -183,9 +185,10 @@ class SchedulerSide:
         )  # fmt: skip
         if loads or (saves and self._reports):
             self._shipped[self._step] = (list(saves), list(loads))
-        self._loading.update(list(loads))  # one pin per shipped load
-        for spec, _ in loads.values():
-            self._load_nbytes[spec.key] = spec.nbytes
+        loading, load_nbytes = self._loading, self._load_nbytes
+        for key, (spec, _) in loads.items():  # one pin per shipped load
+            loading[key] = loading.get(key, 0) + 1
+            load_nbytes[key] = spec.nbytes
         self._loads, self._saves = {}, {}
         return meta
 
@@ -208,20 +211,41 @@ class SchedulerSide:
             modality, rows = self._sizes.pop(key, (None, 0))
             if modality is not None and rows and nbytes > 0 and nbytes % rows == 0:
                 self._row_bytes[modality] = nbytes // rows
-        finished: list[str] = []  # one unpin each, all in one lock round trip
-        for key, ranks in report.loaded.items():
-            if not self._loading[key] or ranks <= 0:
-                self._counts["unexpected_reports"] += 1  # not a load we shipped: ignore
+        if report.loaded:
+            self._loads_reported(report.loaded)
+
+    def _loads_reported(self, loaded: dict[str, int]) -> None:
+        """Turn the ranks' load reports into unpins: one per shipped load every rank
+        reported, all in one lock round trip."""
+        finished: list[str] = []
+        loading, pending, per_load = self._loading, self._load_reports, self._load_ranks
+        unexpected = count = nbytes = 0
+        for key, ranks in loaded.items():
+            held = loading.get(key, 0)
+            if not held or ranks <= 0:
+                unexpected += 1  # not a load we shipped: ignore
                 continue
-            reports = self._load_reports.pop(key, 0) + ranks
-            while reports >= self._load_ranks and self._loading[key]:
-                reports -= self._load_ranks
-                self._counts["items_loaded"] += 1
-                self._counts["bytes_loaded"] += self._load_nbytes[key]
-                self._forget_load(key)
-                finished.append(key)
-            if reports and self._loading[key]:
-                self._load_reports[key] = reports
+            reports = (pending.pop(key, 0) if pending else 0) + ranks
+            done = min(reports // per_load, held)
+            if done:
+                reports -= done * per_load
+                count += done
+                nbytes += done * self._load_nbytes[key]
+                held -= done
+                if held:
+                    loading[key] = held
+                else:  # this key's last shipped load: forget it (as _forget_load does)
+                    del loading[key]
+                    del self._load_nbytes[key]
+                finished += [key] * done
+            if reports and held:
+                pending[key] = reports
+        counts = self._counts
+        if unexpected:
+            counts["unexpected_reports"] += unexpected
+        if count:
+            counts["items_loaded"] += count
+            counts["bytes_loaded"] += nbytes
         if finished:
             self.catalog.unpin_many(finished)
 
@@ -242,7 +266,7 @@ class SchedulerSide:
                     self._abort(key, shipped[1])
             released = []
             for key in loads:
-                if self._loading[key]:  # not already released by a (stray) report
+                if self._loading.get(key):  # not already released by a (stray) report
                     self._forget_load(key)
                     released.append(key)
             if released:
@@ -255,8 +279,10 @@ class SchedulerSide:
 
     def _forget_load(self, key: str) -> None:
         """One shipped load of ``key`` done with (the caller unpins it)."""
-        self._loading[key] -= 1
-        if not self._loading[key]:
+        held = self._loading[key] - 1
+        if held:
+            self._loading[key] = held
+        else:
             del self._loading[key]
             del self._load_nbytes[key]
 
