@@ -2,12 +2,18 @@
 
 Scheduler -> worker, per step (:class:`ECOffloadMetadata`)::
 
-    step    sequence number; the worker echoes the steps it processed
-    arena   the arena file's nonce: a worker that mapped another file refuses
-    loads   [(key, extents, nbytes, dtype, shape)]  pinned READY items to unpack
-    saves   {key: (extents, nbytes, generation)}    WRITING reservations to fill (and
-                                                    commit: the generation names the
-                                                    reservation in the shared catalog)
+    step        sequence number; the worker echoes the steps it processed
+    arena       the arena file's nonce: a worker that mapped another file refuses
+    loads       [LoadSpec(key, nbytes, dtype, shape)]   pinned READY items to unpack
+    load_table  their block tables, item i of it the i-th load (a StepTable)
+    saves       {key: SaveSpec(item, nbytes, generation)}  WRITING reservations to
+                fill (and commit: the generation names the reservation in the
+                shared catalog); ``item`` indexes ``save_table``
+    save_table  their block tables (a StepTable)
+
+Block tables travel as a :class:`~ecoffload.kernels.step_table.StepTable`: two
+int64 arrays that pickle as two buffers, and that the worker's planner reads
+as they are (no Python object per extent on either side).
 
 Worker -> scheduler (:class:`ECOffloadWorkerMetadata`, merged across ranks):
 
@@ -24,12 +30,31 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from ..kernels.step_table import StepTable
 from .compat import ECConnectorMetadata, ECConnectorWorkerMetadata
 
-Extents = list[tuple[int, int]]
-LoadSpec = tuple[str, Extents, int, str, tuple[int, ...]]
-SaveSpec = tuple[Extents, int, int]
+
+class LoadSpec(NamedTuple):
+    """A READY item to unpack this step (its blocks: the same index of ``load_table``)."""
+
+    key: str
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class SaveSpec(NamedTuple):
+    """A reservation to fill this step."""
+
+    item: int  # its block table: ``save_table[item]``
+    nbytes: int
+    generation: int  # the reservation's, in the shared catalog
+
+
+def _no_tables() -> StepTable:
+    return StepTable.from_tables([])
 
 
 @dataclass
@@ -38,6 +63,8 @@ class ECOffloadMetadata(ECConnectorMetadata):
     arena: int = 0
     loads: list[LoadSpec] = field(default_factory=list)
     saves: dict[str, SaveSpec] = field(default_factory=dict)
+    load_table: StepTable = field(default_factory=_no_tables)
+    save_table: StepTable = field(default_factory=_no_tables)
 
 
 @dataclass

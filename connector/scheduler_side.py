@@ -49,6 +49,7 @@ from typing import Any
 from ..engine.errors import CatalogError, DuplicateItemError
 from ..engine.liveness import process_start_time
 from ..kernels.nvtx import nvtx_range
+from ..kernels.step_table import StepTable
 from .compat import (
     encoder_row_bytes,
     idle_steps_reach_worker,
@@ -95,14 +96,20 @@ class SchedulerSide:
                                                       self._counts, layout=layout)  # fmt: skip
         self._me = (os.getpid(), process_start_time(os.getpid()) or 0)
         self._step = 0
-        self._promised: set[str] = set()
-        self._loads: dict[str, LoadSpec] = {}
-        self._saves: dict[str, SaveSpec] = {}
+        # Pinned hits not yet scheduled: the entry the pinning lookup returned (pinned, so
+        # it stays as read: nothing asks the catalog again for it).
+        self._promised: dict[str, Any] = {}
+        self._loads: dict[str, tuple[LoadSpec, Any]] = {}  # key -> (spec, entry)
+        self._saves: dict[str, tuple[int, int, Any]] = {}  # key -> (nbytes, generation, entry)
         self._shipped: dict[int, tuple[list[str], list[str]]] = {}  # step -> (saves, loads)
         self._sizes: dict[str, tuple[str, int]] = {}  # key -> (modality, rows) asked to save
         self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
+        self._row_bytes_of_config: dict[str, int | None] = {}  # modality -> from the config
         self._load_reports: Counter[str] = Counter()  # rank reports not yet turned into unpins
-        self._loading: Counter[str] = Counter()  # shipped loads still holding a pin
+        # Shipped loads still holding a pin: key -> how many (a dict, not a Counter: its
+        # Python-level __delitem__ showed in the per-hit profile).
+        self._loading: dict[str, int] = {}
+        self._load_nbytes: dict[str, int] = {}  # shipped load -> its bytes (for the counters)
         self._writing: dict[str, tuple[int, int]] = {}  # shipped save -> (nbytes, generation)
         self._reported: dict[str, int] = {}
 
@@ -116,24 +123,23 @@ class SchedulerSide:
             return False
         if entry.producer != self._me:
             self._counts["hits_from_other_instances"] += 1
-        self._promised.add(identifier)
+        self._promised[identifier] = entry
         return True
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         feature = request.mm_features[index]
         key = feature.identifier
-        if key in self._promised:
-            self._promised.discard(key)
-            entry = self.catalog.entry(key)
-            self._loads[key] = (key, list(entry.extents), entry.nbytes, entry.dtype, entry.shape)
+        entry = self._promised.pop(key, None)
+        if entry is not None:  # the pinned entry has_cache_item read: no second round trip
+            self._loads[key] = (LoadSpec(key, entry.nbytes, entry.dtype, entry.shape), entry)
             return
         if key in self._loads or not self.producer or self.catalog.state(key) is not None:
             return  # loading, not ours to save, or saved (or being saved) by any instance
         rows = request.get_num_encoder_embeds(index)
         if self._reports:  # a worker report will learn the row size from it, then drop it
             self._sizes[key] = (feature.modality, rows)
-        row_bytes = self._row_bytes.get(feature.modality) or encoder_row_bytes(
-            self._vllm_config, feature.modality
+        row_bytes = self._row_bytes.get(feature.modality) or self._config_row_bytes(
+            feature.modality
         )
         if not row_bytes or not rows:
             return  # size unknown yet: the worker reports it, the next item is saved
@@ -145,25 +151,42 @@ class SchedulerSide:
         if entry is None:
             self._counts["saves_skipped_no_room"] += 1
             return
-        self._saves[key] = (list(entry.extents), entry.nbytes, entry.generation)
+        self._saves[key] = (entry.nbytes, entry.generation, entry)
         if self._reports:
             self._writing[key] = (entry.nbytes, entry.generation)
+
+    def _config_row_bytes(self, modality: str) -> int | None:
+        """Bytes per encoder output row as the model config gives them (read once per
+        modality: the config does not change, and reading it costs vLLM attribute lookups)."""
+        if modality not in self._row_bytes_of_config:
+            self._row_bytes_of_config[modality] = encoder_row_bytes(self._vllm_config, modality)
+        return self._row_bytes_of_config[modality]
 
     def build_connector_meta(self, scheduler_output: Any) -> ECOffloadMetadata:
         if self.remote_producer is not None:  # once per step: leases read or expired
             self.remote_producer.step()
         if self.remote_consumer is not None:  # once per step: connections, reads
             self.remote_consumer.step()
-        for key in self._promised:  # promised, but vLLM did not schedule the item
-            self.catalog.unpin(key)
-        self._promised.clear()
+        if self._promised:  # promised, but vLLM did not schedule them: one lock round trip
+            self.catalog.unpin_many(list(self._promised))
+            self._promised.clear()
         self._step += 1
+        loads, saves = self._loads, self._saves
         meta = ECOffloadMetadata(
-            self._step, self.arena.nonce, list(self._loads.values()), dict(self._saves)
-        )
-        if self._loads or (self._saves and self._reports):
-            self._shipped[self._step] = (list(self._saves), list(self._loads))
-        self._loading.update(list(self._loads))  # one pin per shipped load
+            self._step,
+            self.arena.nonce,
+            loads=[spec for spec, _ in loads.values()],
+            saves={key: SaveSpec(i, nbytes, generation)
+                   for i, (key, (nbytes, generation, _)) in enumerate(saves.items())},
+            load_table=StepTable.of_entries([entry for _, entry in loads.values()]),
+            save_table=StepTable.of_entries([entry for _, _, entry in saves.values()]),
+        )  # fmt: skip
+        if loads or (saves and self._reports):
+            self._shipped[self._step] = (list(saves), list(loads))
+        loading, load_nbytes = self._loading, self._load_nbytes
+        for key, (spec, _) in loads.items():  # one pin per shipped load
+            loading[key] = loading.get(key, 0) + 1
+            load_nbytes[key] = spec.nbytes
         self._loads, self._saves = {}, {}
         return meta
 
@@ -186,16 +209,43 @@ class SchedulerSide:
             modality, rows = self._sizes.pop(key, (None, 0))
             if modality is not None and rows and nbytes > 0 and nbytes % rows == 0:
                 self._row_bytes[modality] = nbytes // rows
-        for key, ranks in report.loaded.items():
-            if not self._loading[key] or ranks <= 0:
-                self._counts["unexpected_reports"] += 1  # not a load we shipped: ignore
+        if report.loaded:
+            self._loads_reported(report.loaded)
+
+    def _loads_reported(self, loaded: dict[str, int]) -> None:
+        """Turn the ranks' load reports into unpins: one per shipped load every rank
+        reported, all in one lock round trip."""
+        finished: list[str] = []
+        loading, pending, per_load = self._loading, self._load_reports, self._load_ranks
+        unexpected = count = nbytes = 0
+        for key, ranks in loaded.items():
+            held = loading.get(key, 0)
+            if not held or ranks <= 0:
+                unexpected += 1  # not a load we shipped: ignore
                 continue
-            reports = self._load_reports.pop(key, 0) + ranks
-            while reports >= self._load_ranks and self._loading[key]:
-                reports -= self._load_ranks
-                self._finish_load(key)
-            if reports and self._loading[key]:
-                self._load_reports[key] = reports
+            reports = (pending.pop(key, 0) if pending else 0) + ranks
+            done = min(reports // per_load, held)
+            if done:
+                reports -= done * per_load
+                count += done
+                nbytes += done * self._load_nbytes[key]
+                held -= done
+                if held:
+                    loading[key] = held
+                else:  # this key's last shipped load: forget it (as _forget_load does)
+                    del loading[key]
+                    del self._load_nbytes[key]
+                finished += [key] * done
+            if reports and held:
+                pending[key] = reports
+        counts = self._counts
+        if unexpected:
+            counts["unexpected_reports"] += unexpected
+        if count:
+            counts["items_loaded"] += count
+            counts["bytes_loaded"] += nbytes
+        if finished:
+            self.catalog.unpin_many(finished)
 
     def _settle_steps(self, processed: set[int]) -> None:
         """Forget echoed steps; undo the ones vLLM dropped before the newest echoed one."""
@@ -212,26 +262,27 @@ class SchedulerSide:
                 shipped = self._writing.pop(key, None)
                 if shipped is not None:
                     self._abort(key, shipped[1])
+            released = []
             for key in loads:
-                if self._loading[key]:  # not already released by a (stray) report
-                    self._release_load(key)
+                if self._loading.get(key):  # not already released by a (stray) report
+                    self._forget_load(key)
+                    released.append(key)
+            if released:
+                self.catalog.unpin_many(released)
 
     def _abort(self, key: str, generation: int) -> None:
         """Abort our reservation ``generation`` of ``key`` if it is still WRITING."""
         with contextlib.suppress(CatalogError):  # gone, or reserved again
             self.catalog.abort(key, generation=generation)
 
-    def _finish_load(self, key: str) -> None:
-        entry = self.catalog.entry(key)
-        self._release_load(key)
-        self._counts["items_loaded"] += 1
-        self._counts["bytes_loaded"] += entry.nbytes
-
-    def _release_load(self, key: str) -> None:
-        self._loading[key] -= 1
-        if not self._loading[key]:
+    def _forget_load(self, key: str) -> None:
+        """One shipped load of ``key`` done with (the caller unpins it)."""
+        held = self._loading[key] - 1
+        if held:
+            self._loading[key] = held
+        else:
             del self._loading[key]
-        self.catalog.unpin(key)
+            del self._load_nbytes[key]
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
         # Pins and reservations of steps are released by worker reports; a remote

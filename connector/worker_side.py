@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..engine.errors import ArenaError, CatalogError
@@ -51,7 +52,7 @@ class _Saved(NamedTuple):
     generation: int  # the reservation's, in the shared catalog
     dtype: str
     shape: tuple[int, ...]
-    extents: list[tuple[int, int]]
+    extents: np.ndarray  # int64 [k, 2]: its (start, count) pairs (for the CRC)
     nbytes: int
 
 
@@ -104,13 +105,12 @@ class WorkerSide:
         loads = self._meta.loads if self._meta is not None else []
         if not loads:
             return
-        tables = [extents for _, extents, _, _, _ in loads]
-        specs = [(dtype_from_name(dtype), shape) for _, _, _, dtype, shape in loads]
-        outputs, done = self.mover.load(tables, specs)
-        keys = [key for key, _, _, _, _ in loads]
+        specs = [(dtype_from_name(spec.dtype), spec.shape) for spec in loads]
+        outputs, done = self.mover.load(self._meta.load_table, specs)  # the arrays as shipped
+        keys = [spec.key for spec in loads]
         self._counts["load_launches"] += 1
         self._counts["items_loaded"] += len(keys)
-        self._counts["bytes_loaded"] += sum(nbytes for _, _, nbytes, _, _ in loads)
+        self._counts["bytes_loaded"] += sum(spec.nbytes for spec in loads)
         for key, tensor in zip(keys, outputs, strict=True):
             encoder_cache[key] = tensor
         self._pending_loads.append((done, keys))
@@ -123,11 +123,11 @@ class WorkerSide:
             return
         tensor = encoder_cache[mm_hash]
         spec = self._meta.saves.get(mm_hash) if self._meta is not None else None
-        if spec is None or tensor.nbytes != spec[1] or not tensor.is_contiguous():
+        if spec is None or tensor.nbytes != spec.nbytes or not tensor.is_contiguous():
             # No reservation (or a wrong size guess): report the real size so the
             # scheduler reserves correctly next time; the item is recomputed.
             if spec is not None:
-                self._abort(mm_hash, spec[2])
+                self._abort(mm_hash, spec.generation)
             self._not_saved[mm_hash] = tensor.nbytes
             return
         self._queued[mm_hash] = tensor
@@ -156,24 +156,26 @@ class WorkerSide:
         meta, self._unflushed = self._unflushed, None
         queued, self._queued = self._queued, {}
         if self.writes and meta is not None:
-            for key, (_, _, generation) in meta.saves.items():
+            for key, spec in meta.saves.items():
                 if key not in queued and key not in self._not_saved:
-                    self._abort(key, generation)
+                    self._abort(key, spec.generation)
                     self._not_saved[key] = -1  # reserved, but never produced this step
         if not queued:
             return
+        specs = [meta.saves[k] for k in queued]
+        table = meta.save_table.select([spec.item for spec in specs])  # array slices
         try:
-            done = self.mover.save(list(queued.values()), [meta.saves[k][0] for k in queued])
+            done = self.mover.save(list(queued.values()), table)
         except Exception:  # an offload failure must never fail the request
             log.exception("ecoffload: saving %d encoder outputs failed", len(queued))
-            for key in queued:
-                self._abort(key, meta.saves[key][2])
+            for key, spec in zip(queued, specs, strict=True):
+                self._abort(key, spec.generation)
                 self._not_saved[key] = -1
             return
         saved = {
-            k: _Saved(meta.saves[k][2], dtype_name(t.dtype), tuple(t.shape), meta.saves[k][0],
+            k: _Saved(spec.generation, dtype_name(t.dtype), tuple(t.shape), table.extents_of(i),
                       t.nbytes)  # fmt: skip
-            for k, t in queued.items()
+            for i, ((k, t), spec) in enumerate(zip(queued.items(), specs, strict=True))
         }
         self._pending_saves.append((done, saved))
         self._counts["save_launches"] += 1
@@ -187,7 +189,8 @@ class WorkerSide:
         for key, item in batch.items():
             crc = None
             if host is not None:
-                crc = item_crc32(host, item.extents, self.arena.block_bytes, item.nbytes)
+                crc = item_crc32(host, item.extents.tolist(), self.arena.block_bytes,
+                                 item.nbytes)  # fmt: skip
             try:
                 self.catalog.commit(key, crc, generation=item.generation, dtype=item.dtype,
                                     shape=item.shape)  # fmt: skip

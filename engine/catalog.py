@@ -28,6 +28,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from .allocator import BlockAllocator, Extent
 from .errors import DuplicateItemError, ItemStateError, UnknownItemError
@@ -55,6 +56,16 @@ class Entry:
 
     def __post_init__(self) -> None:
         self.blocks = sum(count for _, count in self.extents)
+
+    @cached_property
+    def extent_array(self):
+        """int64 [k, 2]: :attr:`extents` as an array, made once per entry (an item's blocks
+        never change), so a step's table is a concatenation, not a walk of its extents."""
+        import numpy as np  # here: importing the catalog stays light
+
+        array = np.array(self.extents, np.int64).reshape(-1, 2)
+        array.flags.writeable = False
+        return array
 
 
 @dataclass

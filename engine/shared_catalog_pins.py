@@ -105,19 +105,41 @@ class Pins:
         return entries
 
     def unpin_many(self, keys: list[str]) -> None:
-        """:meth:`unpin` every key under one lock: all of them, or none (and the error)."""
+        """:meth:`unpin` every key under one lock: all of them, or none (and the error).
+
+        Each distinct item costs one walk of its pin records, however often it is
+        listed; a key this object has seen READY is found from its entry (slot and
+        generation) without hashing.
+        """
         w = self._enter()
         try:
-            slots = [self._expect(key, READY, "unpin") for key in keys]
-            mine: dict[int, int] = {}
-            for key, s in zip(keys, slots, strict=True):  # enough pins of ours for all?
+            sl, seen = self._sl, self._seen
+            drops: dict[int, list] = {}  # slot -> [key, pins to drop]
+            for key in keys:
+                entry = seen.get(key)
+                if entry is None:
+                    s = self._expect(key, READY, "unpin")
+                else:
+                    s = entry.slot
+                    b = sl + s * SLOT_WORDS
+                    if w[b + S_GEN] != entry.generation or w[b + S_STATE] != READY:
+                        s = self._expect(key, READY, "unpin")
+                todo = drops.get(s)
+                if todo is None:
+                    drops[s] = [key, 1]
+                else:
+                    todo[1] += 1
+            records = []
+            pn = self._pn
+            for s, (key, n) in drops.items():  # enough pins of ours for all? (nothing written)
                 r = self._my_pin(s)
-                count = 0 if r < 0 else w[self._pn + r * PIN_WORDS + P_COUNT]
-                mine[s] = mine.get(s, 0) + 1
-                if mine[s] > count:
+                count = 0 if r < 0 else w[pn + r * PIN_WORDS + P_COUNT]
+                if n > count:
                     raise self._not_pinned(key, s, count)
-            for s in slots:
-                self._unpin_slot(s, self._my_pin(s))
+                records.append((s, r, n))
+            for s, r, n in records:
+                for _ in range(n):
+                    self._unpin_slot(s, r)
         except BaseException as exc:
             self._exit(isinstance(exc, CatalogError))
             raise

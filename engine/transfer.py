@@ -52,9 +52,11 @@ from ..kernels import (
     warm_up,
 )
 from ..kernels.nvtx import nvtx_range
+from ..kernels.step_table import StepTable
 from .arena import Arena
 
 Extents = Sequence[tuple[int, int]]
+Tables = Sequence[Extents] | StepTable  # per-item tables, or one step's int64 arrays
 
 
 class CopyEvent(Protocol):
@@ -161,7 +163,7 @@ class BlockMover:
             self.warm_up()
 
     def warm_up(self) -> list[KernelVariant]:
-        """Build or load the copy planner's C pass and, on a CUDA kernel path, compile every
+        """Load the copy planner's C pass and, on a CUDA kernel path, compile every
         kernel variant this mover can launch, so nothing compiles mid-serving.
 
         Runs when a mover is created (``warm_up=True``); kernel compile time is
@@ -182,7 +184,7 @@ class BlockMover:
             raise ValueError(f"{self.arena.path} is closed")
         return self.arena.host
 
-    def save(self, sources: Sequence[torch.Tensor], tables: Sequence[Extents]) -> Completion:
+    def save(self, sources: Sequence[torch.Tensor], tables: Tables) -> Completion:
         """Copy ``sources`` (on this mover's device) into their blocks; one launch."""
         with nvtx_range("ecoffload.save"):
             sources = list(sources)
@@ -198,7 +200,7 @@ class BlockMover:
             return Completion(event, keep_alive=sources, release=self._events.append)
 
     def load(
-        self, tables: Sequence[Extents], specs: Sequence[tuple[torch.dtype, Sequence[int]]]
+        self, tables: Tables, specs: Sequence[tuple[torch.dtype, Sequence[int]]]
     ) -> tuple[list[torch.Tensor], Completion]:
         """New tensors of the given (dtype, shape), filled from their blocks; one launch.
 
@@ -228,17 +230,25 @@ class BlockMover:
         return event
 
     def _copy(
-        self, tensors: list[torch.Tensor], tables: Sequence[Extents], *, to_arena: bool
+        self, tensors: list[torch.Tensor], tables: Tables, *, to_arena: bool
     ) -> None:
         block = self.arena.block_bytes
         backend = "auto" if self.path == "kernel" else "reference"
         if backend == "auto" and self.arena.registered:
-            unregistered = {i for i, table in enumerate(tables) if not self.arena.covers(table)}
+            step = tables if isinstance(tables, StepTable) else None
+            # A step table's item as an array view: covers() walks it only while
+            # registration is incomplete, so no Python object per extent otherwise.
+            of = step.extents_of if step is not None else tables.__getitem__
+            unregistered = {i for i in range(len(tables)) if not self.arena.covers(of(i))}
             if unregistered:
                 host = sorted(unregistered)
-                self._host_copy([tensors[i] for i in host], [tables[i] for i in host], to_arena)
                 rest = [i for i in range(len(tables)) if i not in unregistered]
-                tensors, tables = [tensors[i] for i in rest], [tables[i] for i in rest]
+                if step is not None:
+                    host_tables, tables = step.select(host), step.select(rest)
+                else:
+                    host_tables, tables = [tables[i] for i in host], [tables[i] for i in rest]
+                self._host_copy([tensors[i] for i in host], host_tables, to_arena)
+                tensors = [tensors[i] for i in rest]
                 if not tensors:
                     return
         arena = self._arena_view()
@@ -248,7 +258,7 @@ class BlockMover:
             unpack(arena, tables, block, tensors, config=self.unpack_config, backend=backend)
 
     def _host_copy(
-        self, tensors: list[torch.Tensor], tables: Sequence[Extents], to_arena: bool
+        self, tensors: list[torch.Tensor], tables: Tables, to_arena: bool
     ) -> None:
         """Reference copies through the host mapping (blocks this process has not registered)."""
         block, host = self.arena.block_bytes, self.arena.host

@@ -29,7 +29,7 @@ import torch
 from . import native
 from .block_copy import KernelVariant, _block_copy_kernel, compile_variants, launch_block_copy
 from .nvtx import nvtx_range
-from .plan import VEC_WIDTHS, CopyPlan, Extents, PlanError, plan_copy
+from .plan import VEC_WIDTHS, CopyPlan, PlanError, Tables, plan_copy
 from .reference import byte_view, reference_pack, reference_unpack
 
 Backend = Literal["auto", "triton", "reference"]
@@ -88,7 +88,7 @@ def warm_up(
 
     Returns the variants compiled: none for a non-CUDA device or under the
     interpreter, which compile nothing. Triton's on-disk cache makes later
-    processes' warm-ups fast; the C pass is built once per host.
+    processes' warm-ups fast; the C pass was built at install time.
     """
     native.planner()
     if _interpreted() or device.type != "cuda":
@@ -103,7 +103,7 @@ def warm_up(
 
 def pack(
     sources: Sequence[torch.Tensor],
-    tables: Sequence[Extents],
+    tables: Tables,
     arena: torch.Tensor,
     block_bytes: int,
     *,
@@ -132,7 +132,7 @@ def pack(
 
 def unpack(
     arena: torch.Tensor,
-    tables: Sequence[Extents],
+    tables: Tables,
     block_bytes: int,
     outputs: Sequence[torch.Tensor],
     *,
@@ -263,7 +263,7 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 def _run(
     tensors: list[torch.Tensor],
-    tables: Sequence[Extents],
+    tables: Tables,
     arena: torch.Tensor,
     block_bytes: int,
     config: LaunchConfig,
@@ -330,7 +330,7 @@ def _copy_engine(
 
 def plan_batch(
     tensors: Sequence[torch.Tensor],
-    tables: Sequence[Extents],
+    tables: Tables,
     arena: torch.Tensor,
     block_bytes: int,
     *,
@@ -349,7 +349,7 @@ def plan_batch(
 
 def _plan(
     tensors: Sequence[torch.Tensor],
-    tables: Sequence[Extents],
+    tables: Tables,
     arena: torch.Tensor,
     block_bytes: int,
     config: LaunchConfig,

@@ -34,12 +34,15 @@ access is a sticky "misaligned address" error on a GPU; the Triton
 interpreter never faults, so this is checked on addresses by the tests.
 
 Fast passes of one contract, and a reference. First choice, on every step:
-the C pass (``plan_native.c``, built and loaded by :mod:`.native`), ~35 ns
-per extent. Where no C compiler works (or ``ECOFFLOAD_NATIVE_PLAN=0``), two
-Python passes chosen by size: one test per extent for steps of a few
-extents (numpy's per-call overhead would dominate there), and a vectorised
-numpy pass for fragmented steps (thousands of extents), where ~0.5 us per
-extent would cost milliseconds. The reference is the plain loop, which
+the C pass (``plan_native.c``, built at install time, loaded by
+:mod:`.native`): from a :class:`~.step_table.StepTable`'s int64 arrays
+(read through the buffer protocol, ~20 ns per extent) or from per-item
+tables of pairs (~35 ns per extent). Where it was not built (or
+``ECOFFLOAD_NATIVE_PLAN=0``), the Python passes: a step table's arrays go
+to the numpy pass as they are; per-item tables by size, one test per extent
+for steps of a few extents (numpy's per-call overhead would dominate
+there), and the vectorised numpy pass for fragmented steps (thousands of
+extents), where ~0.5 us per extent would cost milliseconds. The reference is the plain loop, which
 checks everything in order. When a fast pass finds any fault it hands the
 step on, and the loop names the first fault precisely. Cost grows with
 extents, never with blocks.
@@ -59,8 +62,10 @@ import numpy as np
 import torch
 
 from . import native
+from .step_table import StepTable
 
 Extents = Sequence[tuple[int, int]]
+Tables = Sequence[Extents] | StepTable  # per-item tables, or one step table (step_table.py)
 
 MAX_VEC_BYTES = 16
 VECTORISE_FROM = 128  # extents per step from which numpy's whole-array passes pay
@@ -100,7 +105,7 @@ class CopyPlan(NamedTuple):
 def plan_copy(
     item_offsets: Sequence[int],
     item_nbytes: Sequence[int],
-    tables: Sequence[Extents],
+    tables: Tables,
     *,
     block_bytes: int,
     arena_bytes: int,
@@ -116,7 +121,9 @@ def plan_copy(
     Args:
         item_offsets, item_nbytes: where each item's bytes sit in the items buffer.
         tables: each item's extents, in stream order, covering exactly its
-            ``ceil(nbytes / block_bytes)`` blocks.
+            ``ceil(nbytes / block_bytes)`` blocks: per-item sequences of
+            ``(start, count)`` pairs, or a :class:`StepTable` (int64 arrays, read
+            by the C pass through the buffer protocol; planned in numpy without it).
         block_bytes: arena block size; arena_bytes: the arena's size in bytes.
         items_bytes: size of the items buffer (offsets are checked against it).
         tile_bytes: bytes one program copies per loop iteration.
@@ -128,12 +135,17 @@ def plan_copy(
         dma_min_bytes: segments of at least this many bytes are left to the copy
             engine (``CopyPlan.dma``) instead of the kernel; None: none are.
     """
+    step = tables if isinstance(tables, StepTable) else None
     c_pass = native.planner() if dma_min_bytes is None else None  # the DMA split: Python only
     if c_pass is not None:
+        numbers = (block_bytes, arena_bytes, items_bytes, tile_bytes, items_base, arena_base,
+                   num_programs)  # fmt: skip
         try:  # first: it also makes every check below (None if one fails)
-            planned = c_pass.plan(item_offsets, item_nbytes, tables, block_bytes, arena_bytes,
-                                  items_bytes, tile_bytes, items_base, arena_base,
-                                  num_programs)  # fmt: skip
+            if step is not None:  # the arrays, through the buffer protocol
+                planned = c_pass.plan_step(item_offsets, item_nbytes, step.extents, step.bounds,
+                                           *numbers)  # fmt: skip
+            else:
+                planned = c_pass.plan(item_offsets, item_nbytes, tables, *numbers)
         except (OverflowError, TypeError):  # past int64, or not an int: the Python passes
             planned = None
         if planned is not None:
@@ -153,7 +165,9 @@ def plan_copy(
         )
     args = (item_offsets, item_nbytes, tables, block_bytes, arena_bytes // block_bytes,
             items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
-    if sum(map(len, tables)) >= VECTORISE_FROM:
+    if step is not None:  # arrays already: numpy plans them whatever their size
+        segments = _segments_arrays(step.extents, np.diff(step.bounds), *args[:2], *args[3:])
+    elif sum(map(len, tables)) >= VECTORISE_FROM:
         segments = _segments_vectorised(*args)
     else:
         segments = _segments_small(*args)
@@ -333,10 +347,6 @@ def _segments_vectorised(
     end at most ``num_blocks``. Starts and counts are bounded by the arena
     before any product or sum, so int64 never wraps in a step that passes.
     """
-    if min(item_offsets) < 0 or min(item_nbytes) < 0:
-        return None
-    if max(map(add, item_offsets, item_nbytes)) > items_bytes:
-        return None
     lens = np.array([len(table) for table in tables], np.int64)
     n = int(lens.sum())
     flat = chain.from_iterable(chain.from_iterable(tables))  # no tuple list in between
@@ -344,6 +354,25 @@ def _segments_vectorised(
         extents = np.frombuffer(struct.pack(f"{2 * n}q", *flat), np.int64).reshape(n, 2)
     except (struct.error, TypeError):
         return None  # not (start, count) pairs of int64
+    return _segments_arrays(extents, lens, item_offsets, item_nbytes, block_bytes, num_blocks,
+                            items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
+
+
+def _segments_arrays(
+    extents, lens, item_offsets, item_nbytes, block_bytes, num_blocks, items_bytes, tile_bytes,
+    items_base, arena_base,
+) -> tuple[array, array, int, int, int] | None:  # fmt: skip
+    """:func:`_segments_vectorised` on the extents as an int64 [E, 2] array, ``lens[i]`` of
+    them item i's (a step table's arrays, read as they are); None if anything is wrong."""
+    if not len(item_offsets) or len(lens) != len(item_offsets) or len(lens) != len(item_nbytes):
+        return None  # nothing to vectorise, or one count off: the loop says which
+    if min(item_offsets) < 0 or min(item_nbytes) < 0:
+        return None
+    if max(map(add, item_offsets, item_nbytes)) > items_bytes:
+        return None
+    n = len(extents)
+    if n == 0:
+        return None
     starts, counts = extents.T
     first_starts = np.sort(starts)
     if first_starts[0] < 0 or first_starts[-1] >= num_blocks:

@@ -6,7 +6,15 @@
  *      tile_bytes, items_base, arena_base, num_programs)
  *   -> (table, num_segments, num_programs, vec_bytes, num_tiles, nbytes)
  *   or None when anything is wrong or unusual (plan.py then plans in Python,
- *   and its loop names the fault).
+ *   and its loop names the fault). ``tables``: a list or tuple of per-item lists
+ *   or tuples of (start, count) pairs (tuples, tuple subclasses such as the
+ *   catalogs' ``Extent``, or lists).
+ *
+ * plan_step(item_offsets, item_nbytes, extents, bounds, block_bytes, ...)
+ *   the same plan from a step table (kernels/step_table.py): ``extents`` any
+ *   C-contiguous int64 buffer of (start, count) pairs, item i's being pairs
+ *   [bounds[i], bounds[i + 1]) of the int64 buffer ``bounds`` (N + 1 entries);
+ *   read through the buffer protocol, no Python object per extent.
  *
  * ``table`` is a bytearray of int64: the segment rows (item_offset, arena_offset,
  * nbytes, first_tile), then the program rows (first_segment, tile_begin,
@@ -27,8 +35,9 @@
  *   the highest. None when a tensor is not contiguous (api.py names it). The
  *   tensors' methods run Python code, so it works on a snapshot of the list.
  *
- * Built on first use by native.py with the host's C compiler (the one Triton
- * needs to launch its kernels on a GPU) and cached by the hash of this file.
+ * Built at install time as the extension module ecoffload.kernels._plan_native
+ * (setup.py, optional: without a compiler the install warns and plan.py's
+ * Python passes run); loaded by native.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -90,10 +99,11 @@ static int sort_by_start(extent_t *ext, Py_ssize_t n, int64_t num_blocks) {
     return 0;
 }
 
-/* One (start, count) entry of a table: a tuple or list of two ints. */
+/* One (start, count) entry of a table: a tuple (or a tuple subclass: the catalogs'
+ * Extent named tuples, whose items sit where a tuple's do) or a list of two ints. */
 static inline int read_pair(PyObject *pair, int64_t *start, int64_t *count) {
     int bad = 0;
-    if (PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2) {
+    if (PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2) {
         *start = as_int64(PyTuple_GET_ITEM(pair, 0), &bad);
         *count = as_int64(PyTuple_GET_ITEM(pair, 1), &bad);
     } else if (PyList_CheckExact(pair) && PyList_GET_SIZE(pair) == 2) {
@@ -108,27 +118,26 @@ static inline int read_pair(PyObject *pair, int64_t *start, int64_t *count) {
 /* A list or tuple (what the engine passes; other sequences go to the Python passes). */
 static inline int is_list_or_tuple(PyObject *o) { return PyList_CheckExact(o) || PyTuple_CheckExact(o); }
 
-static PyObject *plan(PyObject *self, PyObject *args) {
-    PyObject *offsets, *nbytes_of, *tables;
-    long long block, arena_bytes, items_bytes, tile_bytes, items_base, arena_base, num_programs;
-    if (!PyArg_ParseTuple(args, "OOOLLLLLLL", &offsets, &nbytes_of, &tables, &block,
-                          &arena_bytes, &items_bytes, &tile_bytes, &items_base, &arena_base,
-                          &num_programs))
-        return NULL;
-    if (!is_list_or_tuple(offsets) || !is_list_or_tuple(nbytes_of) || !is_list_or_tuple(tables))
-        Py_RETURN_NONE;
-    if (block <= 0 || arena_bytes < 0 || arena_bytes % block || tile_bytes <= 0 || num_programs <= 0)
-        Py_RETURN_NONE;
-    int64_t num_blocks = arena_bytes / block;
-    Py_ssize_t items = Py_SIZE(tables);
-    if (Py_SIZE(offsets) != items || Py_SIZE(nbytes_of) != items) Py_RETURN_NONE;
+/* One launch's step: item i's bytes [offsets[i], offsets[i] + nbytes[i]) of the items
+ * buffer, its extents ext[bounds[i] .. bounds[i + 1]) (start, count pairs). */
+typedef struct {
+    Py_ssize_t items, n;
+    const int64_t *offsets, *nbytes, *ext, *bounds;
+} step_t;
 
-    Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < items; i++) {
-        PyObject *t = PySequence_Fast_GET_ITEM(tables, i);
-        if (!is_list_or_tuple(t)) Py_RETURN_NONE;
-        n += Py_SIZE(t);
-    }
+typedef struct {
+    long long block, arena_bytes, items_bytes, tile_bytes, items_base, arena_base, num_programs;
+} params_t;
+
+/* The plan of a step whose numbers are all read (no Python object touched), or None. */
+static PyObject *plan_step_core(const step_t *st, const params_t *pr) {
+    long long block = pr->block, items_bytes = pr->items_bytes, tile_bytes = pr->tile_bytes;
+    if (block <= 0 || pr->arena_bytes < 0 || pr->arena_bytes % block || tile_bytes <= 0 ||
+        pr->num_programs <= 0)
+        Py_RETURN_NONE;
+    int64_t num_blocks = pr->arena_bytes / block;
+    Py_ssize_t n = st->n;
+    if (st->bounds[0] != 0 || st->bounds[st->items] != n) Py_RETURN_NONE;
     PyObject *result = Py_None;
     extent_t *ext = malloc(sizeof(extent_t) * (n ? n : 1));
     int64_t *rows = malloc(sizeof(int64_t) * 4 * (n ? n : 1));
@@ -141,20 +150,16 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     uint64_t bits = MAX_VEC_BYTES;
     int64_t total = 0;
     Py_ssize_t s = 0;
-    for (Py_ssize_t i = 0; i < items; i++) {
-        int bad = 0;
-        int64_t offset = as_int64(PySequence_Fast_GET_ITEM(offsets, i), &bad);
-        int64_t nbytes = as_int64(PySequence_Fast_GET_ITEM(nbytes_of, i), &bad);
-        if (bad || offset < 0 || nbytes < 0 || offset > items_bytes || nbytes > items_bytes - offset)
+    for (Py_ssize_t i = 0; i < st->items; i++) {
+        int64_t offset = st->offsets[i], nbytes = st->nbytes[i];
+        if (offset < 0 || nbytes < 0 || offset > items_bytes || nbytes > items_bytes - offset)
             goto done;  /* outside the items buffer (offset first: the difference fits) */
-        PyObject *table = PySequence_Fast_GET_ITEM(tables, i);
+        int64_t first = st->bounds[i], last = st->bounds[i + 1];
+        if (first != s || last < first || last > n) goto done;  /* not one item after another */
         int64_t pos = offset, end = offset + nbytes;
-        for (Py_ssize_t k = 0; k < Py_SIZE(table); k++) {
-            int64_t start, count;
-            if (read_pair(PySequence_Fast_GET_ITEM(table, k), &start, &count)) {
-                bad = 1;  /* not a pair of int64 */
-                break;
-            }
+        int bad = 0;
+        for (int64_t k = first; k < last; k++) {
+            int64_t start = st->ext[2 * k], count = st->ext[2 * k + 1];
             if (start < 0 || start >= num_blocks || count <= 0 || count > num_blocks - start) {
                 bad = 1;  /* outside the arena (bounded first: the products below fit) */
                 break;
@@ -171,7 +176,8 @@ static PyObject *plan(PyObject *self, PyObject *args) {
             row[2] = take;
             ext[s].start = start;
             ext[s].count = count;
-            bits |= ((uint64_t)items_base + (uint64_t)pos) | ((uint64_t)arena_base + (uint64_t)row[1]);
+            bits |= ((uint64_t)pr->items_base + (uint64_t)pos) |
+                    ((uint64_t)pr->arena_base + (uint64_t)row[1]);
             pos += take;
             s++;
         }
@@ -196,7 +202,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     }
 
     /* Program rows: tiles [p * T / P, (p + 1) * T / P), each with the segment holding its first tile. */
-    int64_t programs = num_programs < tiles ? num_programs : tiles;
+    int64_t programs = pr->num_programs < tiles ? pr->num_programs : tiles;
     if (programs > (PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(int64_t) - 4 * n) / 3) {
         result = PyErr_NoMemory();  /* a table of more than 2**63 bytes */
         goto done;
@@ -226,6 +232,106 @@ done:
     if (result == Py_None) Py_INCREF(Py_None);
     free(ext);
     free(rows);
+    return result;
+}
+
+/* offsets and sizes of ``items`` items (a list or tuple of exact ints) into out[2 * items]:
+ * offsets first; 1 when they are not (the Python passes then name the fault). */
+static int read_items(PyObject *offsets, PyObject *nbytes_of, Py_ssize_t items, int64_t *out) {
+    if (!is_list_or_tuple(offsets) || !is_list_or_tuple(nbytes_of)) return 1;
+    if (Py_SIZE(offsets) != items || Py_SIZE(nbytes_of) != items) return 1;
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < items; i++) {
+        out[i] = as_int64(PySequence_Fast_GET_ITEM(offsets, i), &bad);
+        out[items + i] = as_int64(PySequence_Fast_GET_ITEM(nbytes_of, i), &bad);
+    }
+    return bad;
+}
+
+#define PARAMS_FORMAT "LLLLLLL"
+#define PARAMS_ARGS(p) &(p).block, &(p).arena_bytes, &(p).items_bytes, &(p).tile_bytes, \
+    &(p).items_base, &(p).arena_base, &(p).num_programs
+
+static PyObject *plan(PyObject *self, PyObject *args) {
+    PyObject *offsets, *nbytes_of, *tables;
+    params_t pr;
+    if (!PyArg_ParseTuple(args, "OOO" PARAMS_FORMAT, &offsets, &nbytes_of, &tables,
+                          PARAMS_ARGS(pr)))
+        return NULL;
+    if (!is_list_or_tuple(tables)) Py_RETURN_NONE;
+    Py_ssize_t items = Py_SIZE(tables), n = 0;
+    for (Py_ssize_t i = 0; i < items; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(tables, i);
+        if (!is_list_or_tuple(t)) Py_RETURN_NONE;
+        n += Py_SIZE(t);
+    }
+    PyObject *result = Py_None;
+    int64_t *numbers = malloc(sizeof(int64_t) * (2 * items + items + 1 + 2 * n + 1));
+    if (numbers == NULL) return PyErr_NoMemory();
+    int64_t *bounds = numbers + 2 * items, *ext = bounds + items + 1;
+    if (read_items(offsets, nbytes_of, items, numbers)) goto done;
+    Py_ssize_t k = 0;
+    bounds[0] = 0;
+    for (Py_ssize_t i = 0; i < items; i++) {
+        PyObject *table = PySequence_Fast_GET_ITEM(tables, i);
+        for (Py_ssize_t j = 0; j < Py_SIZE(table); j++, k++)
+            if (read_pair(PySequence_Fast_GET_ITEM(table, j), &ext[2 * k], &ext[2 * k + 1]))
+                goto done;  /* not a pair of int64 */
+        bounds[i + 1] = k;
+    }
+    step_t st = {items, n, numbers, numbers + items, ext, bounds};
+    result = plan_step_core(&st, &pr);
+    free(numbers);
+    return result;
+done:
+    free(numbers);
+    Py_INCREF(result);
+    return result;
+}
+
+/* An int64 buffer (C-contiguous, native order) of any shape: its element count, or -1. */
+static Py_ssize_t int64_buffer(PyObject *o, Py_buffer *view) {
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        view->obj = NULL;
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=') f++;
+    if (view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) return -1;
+    return view->len / 8;
+}
+
+static PyObject *plan_step(PyObject *self, PyObject *args) {
+    PyObject *offsets, *nbytes_of, *extents, *bounds;
+    params_t pr;
+    if (!PyArg_ParseTuple(args, "OOOO" PARAMS_FORMAT, &offsets, &nbytes_of, &extents, &bounds,
+                          PARAMS_ARGS(pr)))
+        return NULL;
+    Py_buffer ev, bv;
+    PyObject *result = Py_None;
+    Py_ssize_t pairs = int64_buffer(extents, &ev), edges = int64_buffer(bounds, &bv);
+    int64_t *numbers = NULL;
+    if (pairs < 0 || pairs % 2 || edges < 1) goto done;
+    Py_ssize_t items = edges - 1;
+    numbers = malloc(sizeof(int64_t) * (2 * items + 1));
+    if (numbers == NULL) {
+        result = PyErr_NoMemory();
+        goto done;
+    }
+    if (read_items(offsets, nbytes_of, items, numbers)) goto done;
+    step_t st = {items, pairs / 2, numbers, numbers + items, ev.buf, bv.buf};
+    result = plan_step_core(&st, &pr);
+    free(numbers);
+    numbers = NULL;
+    PyBuffer_Release(&ev);
+    PyBuffer_Release(&bv);
+    return result;
+done:
+    free(numbers);
+    if (ev.obj != NULL) PyBuffer_Release(&ev);
+    if (bv.obj != NULL) PyBuffer_Release(&bv);
+    if (result == Py_None) Py_INCREF(Py_None);
     return result;
 }
 
@@ -286,13 +392,16 @@ done:
 
 static PyMethodDef methods[] = {
     {"plan", plan, METH_VARARGS, "The copy plan of one launch, or None (see plan_native.c)."},
+    {"plan_step", plan_step, METH_VARARGS,
+     "The copy plan of one launch from int64 step arrays, or None (see plan_native.c)."},
     {"item_layout", item_layout, METH_O, "Where a list of tensors lie, or None (see plan_native.c)."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "ecoffload_plan_native", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "ecoffload.kernels._plan_native", NULL, -1,
+                                    methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit_ecoffload_plan_native(void) {
+PyMODINIT_FUNC PyInit__plan_native(void) {
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     s_nbytes = PyUnicode_InternFromString("nbytes");
     s_is_contiguous = PyUnicode_InternFromString("is_contiguous");

@@ -1,6 +1,16 @@
 """Host cost of a step's copy: what the CPU spends before the device does anything.
 
-    python -m ecoffload.profiling.bench_host [--repeat 200]
+    python -m ecoffload.profiling.bench_host [--repeat 200] [--json FILE]
+
+Real-path rows first (:mod:`.real_path_steps`): ``OffloadCache.save``/``load``
+steps, in-process and on the shared catalog, with the tables the catalog hands
+out; the planning of those same tables beside the frozen anchor; and the
+connector's scheduler hooks per step for 16 hits and 16 saves on the shared
+catalog (vLLM's factory, a real ``VllmConfig``; skipped without vLLM).
+``--json`` writes them for a "before" column measured on another checkout
+with the same command.
+
+Kernel-level rows next (the planner alone, tables built as lists of tuples):
 
 Side by side in one run, calls interleaved, on the same tensors and block
 tables: the host path before issue 10 (:mod:`.anchor_host_path`, frozen) and
@@ -11,9 +21,12 @@ tensors; everything up to the device calls. Steps: 16 items of one extent
 each (a typical 64 KiB-block step), and fragmented steps of 2,000 and 19,200
 single-block extents (token-row blocks).
 
-With CUDA it adds the full calls through a real :class:`BlockMover`: host time
-per ``save``/``load`` (launch included) and the stall test, ``save`` + ``load``
-issued behind ~50 ms of queued matmuls, which must return in microseconds.
+With CUDA it first prints the full calls through a real :class:`BlockMover`: host
+time per ``save``/``load`` (launch included) and the stall test, ``save`` + ``load``
+issued behind ~50 ms of queued matmuls, which must return in microseconds (first:
+``gpu_check.sh`` gives the whole command 40 s). The real-path rows run on the CPU
+(``OffloadCache(device="cpu")``); on a GPU host their CUDA counterparts are not
+measured yet.
 
 The last line is a one-line summary of the ratios (old / new).
 """
@@ -22,14 +35,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
+from ..engine import cache as cache_module
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, empty_items, native
 from ..kernels import api as kernels_api
 from . import anchor_host_path as before
@@ -121,6 +138,160 @@ def host_rows(repeat: int) -> list[dict]:
     return rows
 
 
+REAL_CASES = [  # (name, items, extents per item, block bytes)
+    ("16 items x 1 extent (64 KiB blocks)", 16, 1, 64 << 10),
+    ("16 items x 125 extents = 2,000 (8 KiB blocks)", 16, 125, 8 << 10),
+]
+
+
+def real_path_rows(repeat: int, directory: str) -> list[dict]:
+    """OffloadCache.save (+ flush) and load per step, both catalogs, copies included (on a
+    CPU host: the reference copy, torch slice copies); and the planning of the step the
+    catalog made, beside the anchor planning the same tables."""
+    from .real_path_steps import CacheSteps
+
+    rows = []
+    for name, items, extents, block in REAL_CASES:
+        for shared in (False, True):
+            steps = CacheSteps(directory, shared=shared, items=items, extents_per_item=extents,
+                               block_bytes=block)  # fmt: skip
+            try:
+                steps.check()
+                n = max(5, repeat // (1 + extents // 25))
+                catalog = "shared" if shared else "in-process"
+                count = steps.extents()
+                t_save, = timed_side_by_side([steps.save_then_forget], n)
+                steps.save()
+                t_load, = timed_side_by_side([steps.load], n)
+                rows.append(dict(group="OffloadCache (full call, copy included)", step=name,
+                                 catalog=catalog, direction="save + flush", extents=count,
+                                 now_us=t_save * 1e6))  # fmt: skip
+                rows.append(dict(group="OffloadCache (full call, copy included)", step=name,
+                                 catalog=catalog, direction="load", extents=count,
+                                 now_us=t_load * 1e6))  # fmt: skip
+                rows += planning_rows(steps, name, catalog, count, n)
+                steps.forget()
+            finally:
+                steps.close()
+    return rows
+
+
+def planning_rows(steps, name: str, catalog: str, count: int, n: int) -> list[dict]:
+    """The mover's planning (item layout, validation, segment and program rows) of the
+    tables the catalog hands out for the step, interleaved with the anchor's."""
+    cache, keys = steps.cache, steps.keys
+    sources = list(steps.sources.values())
+    specs = [(t.dtype, tuple(t.shape)) for t in sources]
+    arena, block = cache.arena.host, cache.arena.block_bytes
+    entries = [cache.catalog.entry(k) for k in keys]
+    anchor_tables = [list(e.extents) for e in entries]
+    # What OffloadCache hands its mover for these entries (timed with the plan); a
+    # checkout without engine.cache.step_tables hands the entries' extent lists.
+    tables_of = getattr(cache_module, "step_tables", lambda es: [e.extents for e in es])
+    rows = []
+    for direction, old, new, first in (
+        ("save", old_save, new_save, sources),
+        ("load", old_load, new_load, specs),
+    ):
+        calls = [partial(old, first, anchor_tables, arena, block),
+                 lambda new=new, first=first: new(first, tables_of(entries), arena, block)]
+        t_old, t_new = timed_side_by_side(calls, n)
+        rows.append(dict(group="planning the catalog's tables", step=name, catalog=catalog,
+                         direction=direction, extents=count, before_us=t_old * 1e6,
+                         now_us=t_new * 1e6, ratio=t_old / t_new))  # fmt: skip
+    return rows
+
+
+def scheduler_rows(repeat: int, directory: str, before: str | None = None) -> list[dict]:
+    """The connector's scheduler hooks per step (16 hits; 16 saves) on the shared catalog;
+    with ``before`` (another checkout), its connector too, calls interleaved."""
+    try:
+        from .real_path_steps import SchedulerSteps, mount_checkout
+
+        made = [SchedulerSteps(os.path.join(directory, "now"))]
+        if before is not None:
+            module = f"{mount_checkout(before)}.connector"
+            made.insert(0, SchedulerSteps(os.path.join(directory, "before"),
+                                          connector_module=module))  # fmt: skip
+    except ImportError as e:  # no vLLM here
+        print(f"(scheduler rows skipped: {e})")
+        return []
+    try:
+        t_hits = timed_side_by_side([steps.hits for steps in made], repeat)
+        samples: list[list[float]] = [[] for _ in made]
+        for _ in range(repeat):
+            for steps, mine in zip(made, samples, strict=True):
+                request = steps.fresh_request()
+                start = time.perf_counter()
+                _, meta = steps.saves(request)
+                mine.append(time.perf_counter() - start)
+                steps.settle_saves(meta)
+        t_saves = [statistics.median(mine) for mine in samples]
+    finally:
+        for steps in made:
+            steps.close()
+    group = "connector scheduler hooks per step (shared catalog)"
+    rows = []
+    for step, times in (("16 hits: lookup+pin, alloc, meta, load report", t_hits),
+                        ("16 saves: lookup, reserve, meta", t_saves)):  # fmt: skip
+        row = dict(group=group, step=step, catalog="shared", extents=16,
+                   direction="load" if "hits" in step else "save", now_us=times[-1] * 1e6)
+        if before is not None:
+            row.update(before_us=times[0] * 1e6, ratio=times[0] / times[-1])
+        rows.append(row)
+    return rows
+
+
+def worker_rows(repeat: int, directory: str, before: str | None = None) -> list[dict]:
+    """The connector's worker hooks per step through vLLM's V1 runner code (16 saves; 16
+    loads; copies included: on a CPU host the reference copy); with ``before`` (another
+    checkout), its connector too, steps interleaved."""
+    try:
+        from .real_path_steps import SchedulerSteps, WorkerSteps, mount_checkout
+
+        modules = ["ecoffload.connector"]
+        if before is not None:
+            modules.insert(0, f"{mount_checkout(before)}.connector")
+        made = []
+        for i, module in enumerate(modules):
+            sched = SchedulerSteps(os.path.join(directory, f"worker-{i}"),
+                                   connector_module=module)  # fmt: skip
+            made.append(WorkerSteps(sched))
+    except ImportError as e:  # no vLLM here
+        print(f"(worker rows skipped: {e})")
+        return []
+    rows = []
+    try:
+        for steps in made:  # the bytes come back as saved (a wrong copy is no benchmark)
+            steps.deliver(steps.run(steps.save_step()))
+            steps.deliver(steps.run(steps.load_step()))
+            for key, tensor in steps.outputs.items():
+                if not torch.equal(steps.encoder_cache[key], tensor):
+                    raise AssertionError(f"{key}: the worker loaded other bytes than it saved")
+        for direction, prepare in (("save", "save_step"), ("load", "load_step")):
+            samples: list[list[float]] = [[] for _ in made]
+            for _ in range(max(5, repeat // 4)):
+                for steps, mine in zip(made, samples, strict=True):
+                    step = getattr(steps, prepare)()
+                    start = time.perf_counter()
+                    output = steps.run(step)
+                    mine.append(time.perf_counter() - start)
+                    steps.deliver(output)
+            times = [statistics.median(mine) for mine in samples]
+            row = dict(group="connector worker hooks per step (vLLM's V1 runner code)",
+                       step=f"16 {direction}s of 196 x 768 bf16, copies included",
+                       catalog="shared", direction=direction, extents=16,
+                       now_us=times[-1] * 1e6)  # fmt: skip
+            if before is not None:
+                row.update(before_us=times[0] * 1e6, ratio=times[0] / times[-1])
+            rows.append(row)
+    finally:
+        for steps in made:
+            steps.close()
+            steps.s.close()
+    return rows
+
+
 def cuda_rows(repeat: int) -> list[dict]:
     """Full save/load host time through a real mover, and the stall test (CUDA only)."""
     from ..engine.arena import Arena
@@ -156,21 +327,51 @@ def cuda_rows(repeat: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--json", help="also write the real-path rows to this file")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch's intra-op threads (default 1: on a busy 2-vCPU host its "
+                             "pool's spin-waits made a 300 KB host copy_ 10-30x slower)")
+    parser.add_argument("--real-only", action="store_true", help="only the real-path rows")
+    parser.add_argument("--before", metavar="CHECKOUT",
+                        help="an older checkout of the repository: its connector's scheduler "
+                             "hooks timed interleaved with this one's (the 'before' column)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
     c_pass = native.planner()
     where = f"C pass ({c_pass.__file__})" if c_pass else "Python passes (no C pass: see the log)"
-    print(f"torch {torch.__version__}, host cost per call, median of up to {args.repeat} calls "
-          f"(interleaved); planning and item layout now: {where}\n")  # fmt: skip
+    print(f"torch {torch.__version__} ({args.torch_threads} intra-op threads), host cost per "
+          f"call, median of up to {args.repeat} calls (interleaved); planning and item layout "
+          f"now: {where}\n")  # fmt: skip
+    if torch.cuda.is_available():  # first: gpu_check.sh gives the whole run 40 s
+        print("| CUDA | call | host us |\n|---|---|---|")
+        for r in cuda_rows(args.repeat):
+            print(f"| {r['step']} | {r['direction']} | {r['now_us']:.1f} |")
+        print()
+    with tempfile.TemporaryDirectory(prefix="ecoffload-bench-host-", dir="/dev/shm") as tmp:
+        real = real_path_rows(args.repeat, tmp) + scheduler_rows(args.repeat, tmp, args.before)
+        real += worker_rows(args.repeat, tmp, args.before)
+    print("Real paths (the entry points users call; tables as the catalogs hand them out):\n")
+    print("The anchor: the frozen pre-issue-10 host path (planning rows), or the checkout given "
+          "as --before (connector rows).\n")
+    print("| rows | step | catalog | direction | extents | anchor (us) | now (us) | anchor / now |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in real:
+        anchor = f"{r['before_us']:.1f}" if "before_us" in r else ""
+        ratio = f"{r['ratio']:.1f}x" if "ratio" in r else ""
+        print(f"| {r['group']} | {r['step']} | {r['catalog']} | {r['direction']} | "
+              f"{r['extents']:,} | {anchor} | {r['now_us']:.1f} | {ratio} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(real, f, indent=1)
+    if args.real_only:
+        return 0
+    print("\nKernel-level rows (the planner alone, tables as lists of tuples):\n")
     print("| step | direction | extents | before issue 10 (us) | now (us) | before / now |")
     print("|---|---|---|---|---|---|")
     rows = host_rows(args.repeat)
     for r in rows:
         print(f"| {r['step']} | {r['direction']} | {r['extents']:,} | {r['before_us']:.1f} | "
               f"{r['now_us']:.1f} | {r['ratio']:.1f}x |")  # fmt: skip
-    if torch.cuda.is_available():
-        print("\n| CUDA | call | host us |\n|---|---|---|")
-        for r in cuda_rows(args.repeat):
-            print(f"| {r['step']} | {r['direction']} | {r['now_us']:.1f} |")
     summary = ", ".join(f"{r['direction']} {r['extents']:,} ext {r['ratio']:.1f}x" for r in rows)
     print(f"\nsummary (before / now): {summary}")
     return 0

@@ -89,12 +89,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def planner_c_pass_built():
-    """Build (or load) the planner's C pass before the first test, as a host does once.
-
-    A first build takes 0.3-0.45 s. Otherwise the first mover created would pay it
-    inside whichever test came first: on a fresh host that was
-    test_arena_startup.py's slow-populate test, whose populate ran on during
-    the build. (tests/test_plan_native.py builds into fresh folders itself.)
+    """Load the planner's C pass (the extension the install built) before the first test,
+    as a mover does at start, so no test pays the import inside its own timing.
     """
     from ecoffload.kernels import native
 

@@ -12,8 +12,9 @@ PLANNERS = ("native", "small", "vectorised", "loop")
 
 def use_planner(monkeypatch, name: str) -> None:
     """Make ``plan_copy`` plan every valid step with one pass: "native" (the C pass; the
-    test skips where the host has no C compiler at all, and fails if one is there but the
-    build does not work), "small" or "vectorised" (the Python passes) or "loop"."""
+    test skips where the install could not build it: no C compiler at all, and fails if
+    one is there but the extension is missing), "small" or "vectorised" (the Python
+    passes) or "loop"."""
     if name == "native":
         module = require_native()
         monkeypatch.setattr(native, "planner", lambda: module)  # whatever the environment says
@@ -26,7 +27,8 @@ def use_planner(monkeypatch, name: str) -> None:
 
 
 def require_native():
-    """The C pass, loaded (skip only where no C compiler exists)."""
+    """The C pass, loaded (skip only where no C compiler exists, so the install could not
+    build it; with a compiler, a missing extension fails: reinstall, ``pip install -e .``)."""
     if not os.environ.get("CC") and not any(map(shutil.which, ("cc", "gcc", "clang"))):
         pytest.skip("no C compiler on this host: the planner's C pass cannot be built")
     return native.load()

@@ -1,13 +1,13 @@
 """The planner's C pass (kernels/plan_native.c) against the loop planner (the reference),
-and how it is built, cached and loaded (kernels/native.py).
+and how it is loaded (kernels/native.py; built at install time by setup.py).
 
 The pass must give the loop's launch table, byte for byte, for every valid step, and
 None for every faulty or unusual one (plan_copy then plans in Python and the loop names
-the fault). It is built once per host, loaded at a mover's start, never mid-step.
+the fault), from per-item tables (``plan``) and from a step table's int64 arrays
+(``plan_step``) alike. It is loaded at a mover's start; nothing compiles at run time.
 """
 
 import logging
-import os
 import random
 import subprocess
 import sysconfig
@@ -20,10 +20,12 @@ import test_plan_vectorised as fragmented
 import torch
 from planners import require_native
 
+from ecoffload.engine.allocator import Extent
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.transfer import BlockMover
 from ecoffload.kernels import PlanError, api, native, plan
 from ecoffload.kernels.plan import plan_copy
+from ecoffload.kernels.step_table import StepTable
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +54,22 @@ def loop_plan(args, num_programs):
     return table, len(first_tiles), programs, vec, tiles, total
 
 
+def c_plan_step(c_pass, args, num_programs=8):
+    """The C pass on the same step given as a step table (int64 arrays)."""
+    offsets, sizes, tables, block, blocks, *rest = args
+    step = StepTable.from_tables(tables)
+    return c_pass.plan_step(offsets, sizes, step.extents, step.bounds, block, blocks * block,
+                            *rest, num_programs)  # fmt: skip
+
+
 def agree(c_pass, args, num_programs=8):
-    got = c_plan(c_pass, args, num_programs)
-    assert got is not None, "a valid step was refused"
-    table, *rest = got
     want_table, *want_rest = loop_plan(args, num_programs)
-    assert np.frombuffer(table, np.int64).tolist() == want_table
-    assert rest == want_rest
+    for planned in (c_plan, c_plan_step):
+        got = planned(c_pass, args, num_programs)
+        assert got is not None, f"a valid step was refused by {planned.__name__}"
+        table, *rest = got
+        assert np.frombuffer(table, np.int64).tolist() == want_table
+        assert rest == want_rest
 
 
 @pytest.mark.parametrize("tile_bytes", [1024, 4096, 16384, 1 << 40])
@@ -111,6 +122,8 @@ def test_many_shuffled_extents_over_a_large_arena_are_checked_for_overlap(c_pass
 def test_every_faulty_step_is_refused_and_the_loop_names_it(c_pass, kind):
     args = small.one_fault(kind)
     assert c_plan(c_pass, args) is None
+    if all(len(pair) == 2 for table in args[2] for pair in table):
+        assert c_plan_step(c_pass, args) is None  # the same fault in int64 arrays
     small.assert_plan_copy_raises_the_loop_s_error(args)
 
 
@@ -120,6 +133,7 @@ def test_faulty_fragmented_steps_are_refused(c_pass, kind, seed):
     offsets, sizes, tables, total = fragmented.step(seed, zero_items=False)
     bad = fragmented.corrupt(tables, sizes, kind, random.Random(seed))
     assert c_plan(c_pass, fragmented.args_of(offsets, sizes, bad, total)) is None
+    assert c_plan_step(c_pass, fragmented.args_of(offsets, sizes, bad, total)) is None
 
 
 @pytest.mark.parametrize(
@@ -138,7 +152,41 @@ def test_lists_and_tuples_plan_alike(c_pass):
     assert c_plan(c_pass, small.args_of(tuple(offsets), tuple(sizes), tables, total)) == want
     as_lists = [[list(e) for e in t] for t in tables]
     assert c_plan(c_pass, small.args_of(offsets, sizes, as_lists, total)) == want
+    as_extents = [[Extent(*e) for e in t] for t in tables]  # what the catalogs hand out
+    assert c_plan(c_pass, small.args_of(offsets, sizes, as_extents, total)) == want
+    assert c_plan_step(c_pass, small.args_of(offsets, sizes, tables, total)) == want
 
+
+@pytest.mark.parametrize(
+    "odd", ["int32 extents", "float extents", "strided extents", "odd length", "bounds past",
+            "bounds not from 0", "bounds backwards", "no bounds", "a list"],
+)  # fmt: skip
+def test_step_arrays_it_cannot_read_as_given_are_refused(c_pass, odd):
+    offsets, sizes, tables, total = small.step(11)
+    args = small.args_of(offsets, sizes, tables, total)
+    step = StepTable.from_tables(tables)
+    extents, bounds = step.extents, step.bounds.copy()
+    if odd == "int32 extents":
+        extents = extents.astype(np.int32)
+    elif odd == "float extents":
+        extents = extents.astype(np.float64)
+    elif odd == "strided extents":
+        extents = np.repeat(extents, 2, axis=0)[::2]
+    elif odd == "odd length":
+        extents = extents.reshape(-1)[:-1]
+    elif odd == "bounds past":
+        bounds[-1] += 1
+    elif odd == "bounds not from 0":
+        bounds[0] = 1
+    elif odd == "bounds backwards":
+        bounds[1], bounds[2] = bounds[2], bounds[1]
+    elif odd == "no bounds":
+        bounds = bounds[:0]
+    else:
+        extents = extents.tolist()
+    _, _, _, block, blocks, *rest = args
+    assert c_pass.plan_step(offsets, sizes, extents, bounds, block, blocks * block, *rest,
+                            8) is None  # fmt: skip
 
 class Index:
     """An int-like whose ``__index__`` runs code: here, code that empties a list the C pass
@@ -235,77 +283,44 @@ def test_a_copy_engine_split_is_planned_in_python(c_pass, monkeypatch):
     assert calls == [1]
 
 
-# --- building, caching and loading ----------------------------------------------------
+# --- loading ----------------------------------------------------------------------------
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """A cache folder that does not exist yet (two levels) and no decision yet in this
-    process; both restored after."""
+def undecided():
+    """No decision yet in this process (as a new process); forgotten again after."""
     require_native()
-    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(tmp_path / "new" / "cache"))
     native.forget()
-    yield tmp_path / "new" / "cache"
+    yield
     native.forget()
 
 
-def fake_compiler(directory, body):
-    """An executable shell script standing for the C compiler."""
-    path = directory / "fake-cc"
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(0o755)
-    return str(path)
+def test_the_installed_extension_is_what_planner_loads(undecided):
+    module = native.planner()
+    assert module.__name__ == "ecoffload.kernels._plan_native"
+    assert Path(module.__file__).name.endswith(sysconfig.get_config_var("EXT_SUFFIX"))
+    assert module.plan([], [], [], 1, 1, 0, 1, 0, 0, 1)[1] == 0
 
 
-def built(cache):
-    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+def test_nothing_compiles_or_writes_at_run_time(undecided, monkeypatch, arena_dir):
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError("a process was started to build the C pass")
 
-
-def test_built_once_per_host_then_only_loaded(fresh, monkeypatch, caplog):
-    with caplog.at_level(logging.INFO, logger="ecoffload.kernels.native"):
-        module = native.planner()
-    path, _ = native.built_path()
-    assert [r.getMessage() for r in caplog.records] == [
-        f"ecoffload: built the copy planner's C pass into {path}"
-    ]
-    assert module is not None and module.plan([], [], [], 1, 1, 0, 1, 0, 0, 1)[1] == 0
-    (name,) = built(fresh)
-    assert name == path.name and name.endswith(sysconfig.get_config_var("EXT_SUFFIX"))
-    native.forget()  # as a second process would: the cached module, no compiler run
-
-    def no_compiler(*args, **kwargs):
-        raise AssertionError("compiled again")
-
-    monkeypatch.setattr(subprocess, "run", no_compiler)
-    assert native.planner() is not None
-    assert built(fresh) == [name]
-
-
-def test_the_cache_key_follows_the_source(fresh, monkeypatch, tmp_path):
-    path, _ = native.built_path()
-    changed = tmp_path / "plan_native.c"
-    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(native, "SOURCE", changed)
-    assert native.built_path()[0] != path
-
-
-def test_a_step_never_waits_for_the_compiler_a_mover_built_it_at_start(fresh, monkeypatch,
-                                                                      arena_dir):
-    loads = []
-    real = native.load
-    monkeypatch.setattr(native, "load", lambda: loads.append("load") or real())
+    monkeypatch.setattr(subprocess, "run", no_subprocess)
+    monkeypatch.setattr(subprocess, "Popen", no_subprocess)
     with Arena.create("native", block_bytes=4096, num_blocks=8, directory=arena_dir) as arena:
         mover = BlockMover(arena, "cpu")
-        assert loads == ["load"] and built(fresh)
+        assert native._loaded["module"] is not None  # loaded by the mover's start
         mover.save([torch.arange(3000, dtype=torch.int16)], [[(2, 2)]]).wait()
         outputs, done = mover.load([[(2, 2)]], [(torch.int16, (3000,))])
         done.wait()
         assert torch.equal(outputs[0], torch.arange(3000, dtype=torch.int16))
-    assert loads == ["load"]
 
 
-def test_without_a_compiler_planning_stays_in_python_and_says_so_once(fresh, monkeypatch, caplog):
-    monkeypatch.setenv("CC", str(fresh.parent / "no-such-cc"))
+def test_without_the_extension_planning_stays_in_python_and_says_so_once(
+    undecided, monkeypatch, caplog
+):
+    monkeypatch.setattr(native, "MODULE_NAME", "ecoffload.kernels._not_built_here")
     with caplog.at_level(logging.WARNING, logger="ecoffload.kernels.native"):
         assert native.planner() is None
         assert native.planner() is None
@@ -314,136 +329,16 @@ def test_without_a_compiler_planning_stays_in_python_and_says_so_once(fresh, mon
                         arena_bytes=small.BLOCKS * small.B, items_bytes=total)  # fmt: skip
     assert got.num_segments == sum(map(len, tables))
     (record,) = caplog.records
-    assert "stays in Python" in record.message and "no-such-cc" in record.message
-    assert built(fresh) == []
+    assert "stays in Python" in record.message and "_not_built_here" in record.message
+    assert "C compiler" in record.message and "ECOFFLOAD_NATIVE_PLAN=0" in record.message
 
 
-def test_a_compiler_that_fails_is_named_with_its_output(fresh, monkeypatch, tmp_path):
-    cc = fake_compiler(tmp_path, 'echo "$@" > "$(dirname "$0")/args"; echo "no room" >&2; exit 3')
-    monkeypatch.setenv("CC", cc)
-    with pytest.raises(native.NativeBuildError) as caught:
-        native.load()
-    assert str(caught.value).startswith(f"{cc} -O2 -DNDEBUG -fwrapv -shared -fPIC -I")
-    assert str(caught.value).endswith(" exited 3: no room")
-    out = Path((tmp_path / "args").read_text().split()[-1])  # where it was told to write
-    assert out.parent.parent == fresh and out.parent.name.startswith(".plan_native-")
-    assert built(fresh) == []  # no partial module, no temp file
-
-
-def test_a_compiler_that_hangs_is_given_up(fresh, monkeypatch, tmp_path):
-    monkeypatch.setenv("CC", fake_compiler(tmp_path, "sleep 30"))
-    monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 0.5)
-    with pytest.raises(native.NativeBuildError, match=r"fake-cc .* failed: .*timed out after 0.5"):
-        native.load()
-    assert built(fresh) == []
-
-
-def test_a_module_built_twice_into_one_folder(fresh):
-    """The folder exists the second time (a cache cleared of its module, not of itself)."""
-    path = Path(native.load().__file__)
-    path.unlink()
-    assert native.load() is not None and built(fresh) == [path.name]
-
-
-def test_missing_python_headers_are_named(fresh, monkeypatch, tmp_path):
-    paths = {**sysconfig.get_paths(), "include": str(tmp_path)}
-    monkeypatch.setattr(sysconfig, "get_paths", lambda: paths)
-    with pytest.raises(native.NativeBuildError,
-                       match=f"Python.h not found in {tmp_path}: install this Python's "
-                             r"development headers \(e.g. python3-dev\)"):  # fmt: skip
-        native.load()
-
-
-def test_the_compiler_is_cc_then_gcc_then_clang_on_path(monkeypatch, tmp_path):
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(native.NativeBuildError, match=r"no C compiler found .*set CC"):
-        native.compiler()
-    for name in ("clang", "gcc", "cc"):  # each found one outranks those before it
-        fake = tmp_path / name
-        fake.write_text("#!/bin/sh\n")
-        fake.chmod(0o755)
-        assert native.compiler() == [str(fake)]
-    monkeypatch.setenv("CC", "my-cc -pthread")  # split as a shell would
-    assert native.compiler() == ["my-cc", "-pthread"]
-
-
-def test_a_compiler_given_with_options_builds(fresh, monkeypatch):
-    real = native.compiler()[0]
-    monkeypatch.setenv("CC", f"{real} -pipe")
-    assert native.load().plan([], [], [], 1, 1, 0, 1, 0, 0, 1)[1] == 0
-
-
-def test_the_built_module_is_readable_by_everyone_the_umask_allows(fresh):
-    old = os.umask(0o022)
-    try:
-        path = Path(native.load().__file__)
-    finally:
-        os.umask(old)
-    assert path.stat().st_mode & 0o777 == 0o755  # not a temporary file's 0600
-
-
-def test_no_home_folder_means_python_planning_and_a_clear_reason(monkeypatch, caplog):
-    import pwd
-
-    for name in ("ECOFFLOAD_CACHE_DIR", "XDG_CACHE_HOME", "HOME"):
-        monkeypatch.delenv(name, raising=False)
-
-    def no_entry(uid):
-        raise KeyError(uid)
-
-    monkeypatch.setattr(pwd, "getpwuid", no_entry)
-    with pytest.raises(native.NativeBuildError, match="no home folder .*ECOFFLOAD_CACHE_DIR"):
-        native.cache_dir()
-    native.forget()
-    try:
-        with caplog.at_level(logging.WARNING, logger="ecoffload.kernels.native"):
-            assert native.planner() is None
-    finally:
-        native.forget()
-    assert "no home folder" in caplog.records[0].getMessage()
-
-
-def test_the_cache_key_follows_the_compiler(monkeypatch):
-    monkeypatch.setenv("CC", "cc-one")
-    one = native.built_path()[0]
-    monkeypatch.setenv("CC", "cc-two")
-    assert native.built_path()[0] != one and native.built_path()[0].parent == one.parent
-
-
-def test_the_cache_folder_default(monkeypatch, tmp_path):
-    monkeypatch.delenv("ECOFFLOAD_CACHE_DIR", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert native.cache_dir() == tmp_path / "xdg" / "ecoffload"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert native.cache_dir() == tmp_path / "home" / ".cache" / "ecoffload"
-    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(tmp_path / "mine"))
-    assert native.cache_dir() == tmp_path / "mine"
-
-
-def test_disabled_by_the_environment_nothing_is_built(fresh, monkeypatch):
+def test_disabled_by_the_environment_it_is_not_loaded(undecided, monkeypatch):
     monkeypatch.setenv("ECOFFLOAD_NATIVE_PLAN", "0")
     assert native.planner() is None
-    assert built(fresh) == []
     native.forget()
     monkeypatch.setenv("ECOFFLOAD_NATIVE_PLAN", "1")
     assert native.planner() is not None
-
-
-def test_a_damaged_cached_module_is_named(fresh):
-    path, _ = native.built_path()
-    path.parent.mkdir(parents=True)
-    path.write_bytes(b"not a shared object")
-    with pytest.raises(native.NativeBuildError, match=r"does not load .* delete it to rebuild"):
-        native.load()
-
-
-def test_an_unwritable_cache_folder_is_named(fresh, monkeypatch):
-    fresh.parent.parent.joinpath("file").write_text("")
-    monkeypatch.setenv("ECOFFLOAD_CACHE_DIR", str(fresh.parent.parent / "file" / "cache"))
-    with pytest.raises(native.NativeBuildError, match=r"cannot write to .*ECOFFLOAD_CACHE_DIR"):
-        native.load()
 
 
 # --- item layout ------------------------------------------------------------------------
@@ -545,11 +440,11 @@ def test_what_the_c_layout_refuses_python_names(c_pass, odd):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_the_kernels_warm_up_loads_the_c_pass_for_any_device(fresh, monkeypatch, device):
+def test_the_kernels_warm_up_loads_the_c_pass_for_any_device(undecided, monkeypatch, device):
     """What a CUDA mover's warm-up relies on (it calls this, not native.planner)."""
     loads = []
     real = native.load
     monkeypatch.setattr(native, "load", lambda: loads.append("load") or real())
     monkeypatch.setattr(api, "compile_variants", lambda variants, dev: None)  # no GPU here
     api.warm_up(torch.device(device))
-    assert loads == ["load"] and built(fresh)
+    assert loads == ["load"]

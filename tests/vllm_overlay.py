@@ -14,9 +14,8 @@ unpacks nothing), printing the folder to put on PYTHONPATH::
     python tests/vllm_overlay.py 0.33.0        # -> <cache>/vllm-0.33.0-py
 
 The wheel is fetched with ``pip download vllm==<version> --no-deps`` into
-``<cache>/wheels`` (``<cache>``: where the planner's C pass is built,
-``ECOFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/ecoffload``, else
-``~/.cache/ecoffload``).
+``<cache>/wheels`` (``<cache>``: ``ECOFFLOAD_CACHE_DIR``, else
+``$XDG_CACHE_HOME/ecoffload``, else ``~/.cache/ecoffload``).
 
 As a pytest plugin (``-p vllm_overlay``, this folder on PYTHONPATH,
 ``ECOFFLOAD_EXPECT_VLLM=<version>``), the run fails instead of passing
@@ -34,12 +33,20 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
-from ecoffload.kernels.native import cache_dir
-
 EXPECT_ENV = "ECOFFLOAD_EXPECT_VLLM"
+
+
+def cache_dir() -> Path:
+    """Where the wheel and its unpacked code are kept between runs."""
+    if os.environ.get("ECOFFLOAD_CACHE_DIR"):
+        return Path(os.environ["ECOFFLOAD_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "ecoffload"
+    return Path.home() / ".cache" / "ecoffload"
 # Compiled libraries, C/CUDA sources and headers: the CPU platform uses none of them.
 NATIVE_SUFFIXES = (".so", ".h", ".hpp", ".cuh", ".cu", ".inl", ".cpp")
 COMPLETE = ".complete"  # written last: a folder without it is unpacked again

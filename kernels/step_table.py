@@ -1,0 +1,138 @@
+"""A step's block tables as two int64 arrays: what the planner's C pass reads directly.
+
+Layout (the way vLLM's kv_offload passes block ids: numpy, not Python objects)::
+
+    extents [E, 2]   int64 (start, count) of every item's extents, item after item,
+                     each item's in stream order
+    bounds  [N + 1]  int64 item i's extents are extents[bounds[i] : bounds[i + 1]];
+                     bounds[0] == 0, bounds[N] == E
+
+The planner's C pass reads both through the buffer protocol (no Python object
+per extent); without it, the numpy pass plans the same arrays. A step table
+pickles as two buffers, which is how the connector's metadata carries it
+from the scheduler to the workers.
+
+It is also a read-only sequence of per-item tables (``table[i]``: a list of
+``(start, count)`` tuples), so code that walks tables one item at a time (the
+reference copy, the loop planner naming a fault, a CRC) takes it unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import accumulate, chain
+
+import numpy as np
+
+
+class StepTable(Sequence):
+    """Block tables of the items of one step (see the module docstring)."""
+
+    __slots__ = ("bounds", "extents")
+
+    def __init__(self, extents: np.ndarray, bounds: np.ndarray) -> None:
+        extents = np.ascontiguousarray(extents, dtype=np.int64).reshape(-1, 2)
+        bounds = np.ascontiguousarray(bounds, dtype=np.int64).reshape(-1)
+        if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(extents):
+            raise ValueError(
+                f"bounds must run from 0 to the {len(extents)} extents given, one entry per "
+                f"item plus one; got {bounds[:3].tolist()}...{bounds[-3:].tolist()}"
+            )
+        self.extents, self.bounds = extents, bounds
+
+    @classmethod
+    def from_tables(cls, tables: Iterable[Sequence[tuple[int, int]]]) -> StepTable:
+        """The step table of per-item tables of ``(start, count)`` pairs (at the boundary
+        with code that holds extents as pairs: one pass, no intermediate list)."""
+        tables = tables if isinstance(tables, list | tuple) else list(tables)
+        if not tables:
+            return cls._made(_NO_EXTENTS, _NO_BOUNDS)
+        bounds = [0, *accumulate(map(len, tables))]
+        flat = chain.from_iterable(chain.from_iterable(tables))
+        # fromiter with its count: one allocation, no list of Python ints in between.
+        extents = np.fromiter(flat, np.int64, count=2 * bounds[-1]).reshape(-1, 2)
+        return cls._made(extents, np.array(bounds, np.int64))
+
+    @classmethod
+    def _made(cls, extents: np.ndarray, bounds: np.ndarray) -> StepTable:
+        """One from arrays made here, already right (a step pays no checks for them)."""
+        table = cls.__new__(cls)
+        table.extents, table.bounds = extents, bounds
+        return table
+
+    @classmethod
+    def of_entries(cls, entries: Sequence) -> StepTable:
+        """The step table of catalog entries (anything with an int64 [k, 2]
+        ``extent_array``: each entry makes its array once, so a step costs one
+        concatenation, whatever its extents)."""
+        if not entries:
+            return cls._made(_NO_EXTENTS, _NO_BOUNDS)
+        arrays = [e.extent_array for e in entries]
+        bounds = np.array([0, *accumulate(map(len, arrays))], np.int64)
+        return cls._made(np.concatenate(arrays), bounds)
+
+    @classmethod
+    def concat(cls, tables: Sequence[StepTable]) -> StepTable:
+        """One step table holding the items of ``tables``, in order."""
+        if not tables:
+            return cls(np.empty((0, 2), np.int64), np.zeros(1, np.int64))
+        starts = np.cumsum([0] + [len(t.extents) for t in tables[:-1]])
+        bounds = np.concatenate(
+            [[0]] + [t.bounds[1:] + at for t, at in zip(tables, starts, strict=True)]
+        )
+        return cls(np.concatenate([t.extents for t in tables]), bounds)
+
+    def select(self, items: Sequence[int]) -> StepTable:
+        """The step table of the given items, in the given order (array slices, no
+        Python object per extent)."""
+        if list(items) == list(range(len(self))):
+            return self
+        lo, hi = self.bounds[:-1], self.bounds[1:]
+        picked = [self.extents[lo[i] : hi[i]] for i in items]
+        bounds = np.zeros(len(picked) + 1, np.int64)
+        np.cumsum([len(p) for p in picked], out=bounds[1:])
+        extents = np.concatenate(picked) if picked else np.empty((0, 2), np.int64)
+        return StepTable._made(extents, bounds)
+
+    def extents_of(self, item: int) -> np.ndarray:
+        """int64 [k, 2]: item ``item``'s extents (a view)."""
+        return self.extents[self.bounds[item] : self.bounds[item + 1]]
+
+    @property
+    def num_extents(self) -> int:
+        return len(self.extents)
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            return [self[i] for i in range(*item.indices(len(self)))]
+        if item < 0:
+            item += len(self)
+        if not 0 <= item < len(self):
+            raise IndexError(f"item {item} of a step table of {len(self)} items")
+        return list(map(tuple, self.extents_of(item).tolist()))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepTable):
+            return NotImplemented
+        return np.array_equal(self.extents, other.extents) and np.array_equal(
+            self.bounds, other.bounds
+        )
+
+    __hash__ = None  # mutable arrays inside
+
+    def __getstate__(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.extents, self.bounds
+
+    def __setstate__(self, state: tuple[np.ndarray, np.ndarray]) -> None:
+        self.extents, self.bounds = state
+
+    def __repr__(self) -> str:
+        return f"StepTable({len(self)} items, {self.num_extents} extents)"
+
+
+_NO_EXTENTS = np.empty((0, 2), np.int64)
+_NO_BOUNDS = np.zeros(1, np.int64)
+_NO_EXTENTS.flags.writeable = _NO_BOUNDS.flags.writeable = False  # shared by every empty table
