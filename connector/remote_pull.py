@@ -72,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -176,7 +177,8 @@ class RemoteProducer:
             return None
         with self._lock:
             self._seq += 1
-            notify = f"ecoffload:{self._seq}:{request.request_id}"
+            # unguessable: a holder of one request's params cannot end another's lease
+            notify = f"ecoffload:{self._seq}:{secrets.token_hex(8)}:{request.request_id}"
             self._leases[notify] = (slots, time.monotonic() + self.config.lease_s)
         self._counts["remote_items_announced"] += len(items)
         expires_at = time.time() + self.config.lease_s

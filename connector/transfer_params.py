@@ -15,7 +15,8 @@ ValueError that says what is wrong::
                                       metadata of that registration (UCX address, key)
      "lease_s": 30.0,                 the items stay in the window that long at most,
      "expires_at": t,                 i.e. until t (the producer's wall clock)
-     "notify": "ecoffload:<n>:<request_id>",   the consumer's READ notifies this
+     "notify": "ecoffload:<n>:<random>:<request_id>",  the consumer's READ notifies
+                                      this (unguessable: ends this lease only)
      "items": {mm_hash: {"extents": [[start, count], ...],   in the export window
                          "nbytes": int, "dtype": str, "shape": [int, ...],
                          "crc32": int}}}

@@ -287,6 +287,11 @@ class ArenaPeer:
         if arena.closed or arena.host is None:
             raise RemotePeerError(f"ArenaPeer({name!r}): {arena!r} is closed: open it first")
         self.arena, self.name = arena, name
+        self._remotes: dict[str, PeerCard] = {}
+        self._live: set[PullHandle] = set()  # posted and not settled
+        self._reg = self._window_reg = None
+        self.window: ExportWindow | None = None
+        self._agent = None
         self.host = host or _outward_ip()
         ucx = []  # UCX settings, NIXL's "engine_config" (key=value, comma-separated)
         if self.host != "*":
@@ -299,35 +304,31 @@ class ArenaPeer:
             backends=[],
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # callable from any thread
         )
-        self._agent = api.nixl_agent(name, config)
+        agent = api.nixl_agent(name, config)
         for backend in backends:
-            if backend not in self._agent.get_plugin_list():
+            if backend not in agent.get_plugin_list():
                 raise RemotePeerError(
                     f"ArenaPeer({name!r}): NIXL has no {backend!r} backend here (plugins: "
-                    f"{self._agent.get_plugin_list()}): pick one of those"
+                    f"{agent.get_plugin_list()}): pick one of those"
                 )
             params = {"engine_config": ",".join(ucx)} if backend == "UCX" and ucx else {}
             try:
-                self._agent.create_backend(backend, params)
+                agent.create_backend(backend, params)
             except Exception as exc:
                 raise RemotePeerError(
                     f"ArenaPeer({name!r}): NIXL could not start its {backend} backend with "
                     f"{params} ({exc!r}): check nixl.host is an address of this host"
                 ) from None
+        self._agent = agent
         self._backends = list(backends)
         self.base = arena.host.data_ptr()
-        self._reg = None
         if register_arena:
             self._reg = self._agent.register_memory([(self.base, arena.nbytes, 0, "")], "DRAM")
-        self.window: ExportWindow | None = None
-        self._window_reg = None
         if export_bytes:
             self.window = ExportWindow(export_bytes, export_block_bytes or arena.block_bytes)
             self._window_reg = self._agent.register_memory(
                 [(self.window.base, self.window.nbytes, 0, "")], "DRAM"
             )
-        self._remotes: dict[str, PeerCard] = {}
-        self._live: set[PullHandle] = set()  # posted and not settled
 
     def card(self) -> PeerCard:
         """The geometry of this peer's export window (raises without one)."""
