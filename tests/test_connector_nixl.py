@@ -413,6 +413,54 @@ def test_a_producer_killed_mid_pull_falls_back_and_leaks_nothing(
     assert os.listdir(arena_dir) == []
 
 
+@needs_nixl
+@pytest.mark.slow
+def test_a_timed_out_pull_keeps_its_blocks_reserved_until_nixl_settles_it(
+    arena_dir, model_config, monkeypatch
+):
+    """The pull gives up (its deadline) while NIXL still writes into its blocks: they
+    stay reserved (WRITING: nobody else gets them) until the handle is settled."""
+    from test_remote import start_producer, stop_producer
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # a 256 MiB read takes far longer than the deadline
+    proc, meta = start_producer(arena_dir, 1 << 20, 256, seed=-1)
+    rows, width = 1024, 128 * 1024  # bf16: 256 MiB
+    config = make_config(arena_dir, "ec_consumer", model_config, arena_name="host-b",
+                         arena_bytes="260MiB", block_bytes="1MiB", populate="lazy",
+                         nixl={**NIXL, "timeout_s": 0.05})  # fmt: skip
+    csched, cworker = make_pair(config)
+    try:
+        params = {"ecoffload": 2, "layout": default_arena_name(config),
+                  "peer": base64.b64encode(meta).decode(), "lease_s": 60,
+                  "expires_at": time.time() + 60, "notify": "ecoffload:1:x",
+                  "items": {"big": {"extents": [[0, 256]], "nbytes": 256 << 20,
+                                    "dtype": "bfloat16", "shape": [rows, width],
+                                    "crc32": 0}}}  # fmt: skip
+        request = make_request("c1", [("big", rows)])
+        request.ec_transfer_params = params
+        assert csched.ensure_cache_available(request, 0) is False
+        handle = csched.side.remote_consumer._pulls["c1"].handle
+        assert admit(csched, request, timeout_s=20)[0]  # gave up: it encodes locally
+        assert handle.state == "error" and "timed out" in handle.error
+        unsettled_seen = 0
+        deadline = time.monotonic() + 60
+        while not handle.settled:
+            assert csched.side.catalog.state("big") is ItemState.WRITING  # still reserved
+            unsettled_seen += 1
+            assert time.monotonic() < deadline, "NIXL never settled the transfer"
+            step(csched)
+            time.sleep(0.01)
+        assert unsettled_seen > 0  # the read was still in flight when the pull gave up
+        step(csched)
+        assert csched.side.catalog.state("big") is None  # aborted once settled
+        assert not csched.side.remote_consumer.busy
+        csched.side.catalog.check()
+    finally:
+        stop_producer(proc)
+        cworker.shutdown()
+        csched.shutdown()
+
+
 @pytest.mark.parametrize(
     "value,match",
     [
