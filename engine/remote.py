@@ -32,8 +32,10 @@ params its coordinator forwards. What a peer registers with NIXL:
   raises), so no remote agent can name that memory.
 
 UCX, NIXL's transport, still listens: a TCP socket bound to the address of
-``host``'s interface only (its ``NET_DEVICES``; ``host`` None: every
-interface), on a port the OS picks (``tcp_port_range`` narrows it).
+``host``'s interface only (UCX's ``NET_DEVICES`` is that interface plus the
+host's RDMA ports, which open no TCP port; an operator's own
+``UCX_NET_DEVICES`` wins; ``host="*"``: every interface), on a port the OS
+picks (``tcp_port_range`` narrows it).
 
 Addresses: a remote item is named by block extents ``(start, count)`` in the
 remote window; the byte address is ``card.base + start * card.block_bytes``
@@ -68,12 +70,14 @@ from __future__ import annotations
 import array
 import contextlib
 import fcntl
+import glob
 import importlib
 import json
+import os
 import socket
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -229,6 +233,29 @@ def split_metadata(blob: bytes) -> tuple[PeerCard, bytes]:
     return card, blob[head + n :]
 
 
+def rdma_ports() -> list[str]:
+    """UCX names (``mlx5_0:1``) of this host's RDMA ports: kept usable when ``host``
+    narrows UCX to one IP interface (RDMA opens no TCP port)."""
+    out = []
+    for dev in sorted(glob.glob("/sys/class/infiniband/*/ports/*")):
+        out.append(f"{dev.split('/')[4]}:{dev.rsplit('/', 1)[1]}")
+    return out
+
+
+@contextlib.contextmanager
+def _net_devices(devices: str | None) -> Iterator[None]:
+    """``UCX_NET_DEVICES=devices`` while a UCX backend reads its configuration (NIXL's
+    engine_config cannot carry a list); an operator's own UCX_NET_DEVICES wins."""
+    if devices is None or "UCX_NET_DEVICES" in os.environ:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        del os.environ["UCX_NET_DEVICES"]
+
+
 def _check_extents(
     extents: Sequence[tuple[int, int]], block_bytes: int, num_blocks: int, nbytes: int, where: str
 ) -> list[Extent]:
@@ -294,8 +321,7 @@ class ArenaPeer:
         self._agent = None
         self.host = host or _outward_ip()
         ucx = []  # UCX settings, NIXL's "engine_config" (key=value, comma-separated)
-        if self.host != "*":
-            ucx.append(f"NET_DEVICES={interface_of(self.host)}")
+        devices = None if self.host == "*" else ",".join([interface_of(self.host), *rdma_ports()])
         if tcp_port_range is not None:
             ucx.append(f"TCP_PORT_RANGE={tcp_port_range[0]}-{tcp_port_range[1]}")
         config = api.nixl_agent_config(
@@ -313,7 +339,8 @@ class ArenaPeer:
                 )
             params = {"engine_config": ",".join(ucx)} if backend == "UCX" and ucx else {}
             try:
-                agent.create_backend(backend, params)
+                with _net_devices(devices if backend == "UCX" else None):
+                    agent.create_backend(backend, params)
             except Exception as exc:
                 raise RemotePeerError(
                     f"ArenaPeer({name!r}): NIXL could not start its {backend} backend with "

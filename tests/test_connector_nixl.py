@@ -10,7 +10,6 @@ bit-for-bit with what the producer's encoder made. Without NIXL only the
 configuration and the refusal tests run (CI installs it: ``ecoffload[nixl]``).
 """
 
-import base64
 import json
 import os
 import signal
@@ -35,6 +34,7 @@ from vllm_harness import (
 
 from ecoffload.connector.config import NixlConfig
 from ecoffload.connector.shared_arena import default_arena_name
+from ecoffload.connector.transfer_params import pack_peer
 from ecoffload.engine import remote
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.catalog import ItemState
@@ -277,9 +277,10 @@ GARBLED = {
     "not-a-dict": "hello",
     "foreign-format": {"img": {"peer_host": "10.0.0.1", "peer_port": 1}},
     "format-1": {"ecoffload": 1, "peer": {"name": "p", "host": "10.0.0.1", "port": 1}},
-    "no-items": {"ecoffload": 2, "peer": "RUNPRkZMT0FE"},
+    "no-items": {"ecoffload": 2, "peer": "eJxzdfZ3c/Pxd3QBAAycAoQ="},
     "peer-not-base64": "peer-not-base64",  # these: a real announcement, altered below
     "peer-not-metadata": "peer-not-metadata",
+    "peer-a-bomb": "peer-a-bomb",
     "item-not-a-dict": "item-not-a-dict",
     "no-crc": "no-crc",
     "bad-extents": "bad-extents",  # filled from a real announcement below
@@ -297,8 +298,10 @@ def test_garbled_or_unusable_params_fall_back_to_local_encoding(hosts, arena_dir
     params = GARBLED[case]
     if case == "peer-not-base64":
         params = {**real, "peer": "not base64!"}
+    elif case == "peer-a-bomb":
+        params = {**real, "peer": pack_peer(bytes(1 << 20))}
     elif case == "peer-not-metadata":
-        params = {**real, "peer": base64.b64encode(b"ECOFFLOAD-PEER\x01garbage").decode()}
+        params = {**real, "peer": pack_peer(b"ECOFFLOAD-PEER\x01garbage")}
     elif case == "item-not-a-dict":
         params = {**real, "items": {"img": [1, 2]}}
     elif case == "no-crc":
@@ -319,7 +322,7 @@ def test_garbled_or_unusable_params_fall_back_to_local_encoding(hosts, arena_dir
                              register_cuda="never")  # fmt: skip
         with arena, ArenaPeer(arena, "gone", host="127.0.0.1", export_bytes=4096,
                               register_arena=False) as gone:  # fmt: skip
-            params["peer"] = base64.b64encode(gone.metadata()).decode()
+            params["peer"] = pack_peer(gone.metadata())
     request = make_request("c1", [("img", 5)])
     request.ec_transfer_params = params
     t0 = time.monotonic()
@@ -377,7 +380,7 @@ def test_a_producer_killed_mid_pull_falls_back_and_leaks_nothing(
     csched, cworker = make_pair(config)
     try:
         params = {"ecoffload": 2, "layout": default_arena_name(config),
-                  "peer": base64.b64encode(card).decode(),
+                  "peer": pack_peer(card),
                   "lease_s": 60, "expires_at": time.time() + 60,
                   "notify": "ecoffload:1:x",
                   "items": {"big": {"extents": [[0, 256]], "nbytes": 256 << 20,
@@ -431,7 +434,7 @@ def test_a_timed_out_pull_keeps_its_blocks_reserved_until_nixl_settles_it(
     csched, cworker = make_pair(config)
     try:
         params = {"ecoffload": 2, "layout": default_arena_name(config),
-                  "peer": base64.b64encode(meta).decode(), "lease_s": 60,
+                  "peer": pack_peer(meta), "lease_s": 60,
                   "expires_at": time.time() + 60, "notify": "ecoffload:1:x",
                   "items": {"big": {"extents": [[0, 256]], "nbytes": 256 << 20,
                                     "dtype": "bfloat16", "shape": [rows, width],

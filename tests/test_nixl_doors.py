@@ -19,7 +19,6 @@ without CAP_NET_ADMIN) these tests skip.
   write any byte of the producer's arena.
 """
 
-import base64
 import json
 import mmap
 import os
@@ -180,6 +179,7 @@ def test_every_port_opened_listens_on_nixl_host_only(second_host, two_hosts):
 
 
 def test_a_params_holder_reads_only_live_leases_and_writes_no_arena(two_hosts):
+    from ecoffload.connector.transfer_params import unpack_peer
     from ecoffload.engine.remote import split_metadata
 
     psched, pworker, _ = two_hosts("127.0.0.1")
@@ -198,7 +198,7 @@ def test_a_params_holder_reads_only_live_leases_and_writes_no_arena(two_hosts):
     holder = api.nixl_agent("holder", api.nixl_agent_config(enable_listen_thread=False))
     buf = np.frombuffer(mmap.mmap(-1, window.nbytes), dtype=np.uint8)
     holder.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-    card, md = split_metadata(base64.b64decode(params["peer"]))
+    card, md = split_metadata(unpack_peer(params["peer"]))
     name = holder.add_remote_agent(md)
     name = name.decode() if isinstance(name, bytes) else name
     assert name == card.name and card.base == window.base
