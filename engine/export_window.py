@@ -11,8 +11,10 @@ consumer's notification, or ``lease_s``).
 
 Invariants:
 
-* The window is anonymous private memory (no file, nothing another process
-  can open); only :class:`~ecoffload.engine.remote.ArenaPeer` registers it.
+* The window is anonymous memory of this process (no file: nothing another
+  process can open; shared, not copy-on-write, so a later fork cannot split
+  pages a NIC has pinned); only :class:`~ecoffload.engine.remote.ArenaPeer`
+  registers it.
 * A slot holds exactly one announced item's bytes from :meth:`put` until
   :meth:`release`; every other byte of the window is zero. So what a holder of
   the window's metadata can read is exactly the items whose leases are live.
@@ -46,7 +48,7 @@ class ExportWindow:
         self.block_bytes = block_bytes
         self.num_blocks = nbytes // block_bytes
         self.nbytes = self.num_blocks * block_bytes
-        self._map = mmap.mmap(-1, self.nbytes)  # anonymous and private: no file to open
+        self._map = mmap.mmap(-1, self.nbytes)  # anonymous (MAP_SHARED): no file to open
         self.data = np.frombuffer(self._map, dtype=np.uint8)
         self.base = self.data.ctypes.data
         self._alloc = BlockAllocator(self.num_blocks, block_bytes)
