@@ -69,9 +69,14 @@ def second_host():
         _ip("-n", ns, "link", "set", there, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
         deadline = time.monotonic() + 10
-        while Path(f"/sys/class/net/{here}/operstate").read_text().strip() != "up":  # carrier
+        while (
+            Path(f"/sys/class/net/{here}/operstate").read_text().strip() != "up"
+            or "linkdown" in _ip("-4", "route", "show", "dev", here).stdout
+            or "10.213.37.0/30" not in _ip("-4", "route", "show", "dev", here).stdout
+        ):  # UCX checks the route before it uses the interface
             assert time.monotonic() < deadline, f"{here} never came up"
             time.sleep(0.05)
+        time.sleep(0.5)  # and reads it through netlink: let the kernel settle
         yield ns, HERE, THERE
     finally:
         _ip("netns", "del", ns, check=False)  # takes the veth pair with it
