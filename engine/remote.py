@@ -31,7 +31,8 @@ params its coordinator forwards. What a peer registers with NIXL:
   metadata is never published (it cannot be: :meth:`metadata` without a window
   raises), so no remote agent can name that memory.
 
-UCX, NIXL's transport, still listens: a TCP socket bound to the address of
+UCX, NIXL's transport, still listens (its SysV shared-memory transport is off:
+its 0660 segments would be open to the process's group): a TCP socket bound to the address of
 ``host``'s interface only (UCX's ``NET_DEVICES`` is that interface plus the
 host's RDMA ports, which open no TCP port; an operator's own
 ``UCX_NET_DEVICES`` wins; ``host="*"``: every interface), on a port the OS
@@ -320,7 +321,10 @@ class ArenaPeer:
         self.window: ExportWindow | None = None
         self._agent = None
         self.host = host or _outward_ip()
-        ucx = []  # UCX settings, NIXL's "engine_config" (key=value, comma-separated)
+        # UCX settings, NIXL's "engine_config" (key=value, comma-separated; an operator's
+        # UCX_* environment wins). No SysV shared memory: its segments are mode 0660, so
+        # the process's group could attach them (posix shm and CMA stay: owner only).
+        ucx = ["TLS=^sysv"]
         devices = None if self.host == "*" else ",".join([interface_of(self.host), *rdma_ports()])
         if tcp_port_range is not None:
             ucx.append(f"TCP_PORT_RANGE={tcp_port_range[0]}-{tcp_port_range[1]}")
@@ -337,7 +341,7 @@ class ArenaPeer:
                     f"ArenaPeer({name!r}): NIXL has no {backend!r} backend here (plugins: "
                     f"{agent.get_plugin_list()}): pick one of those"
                 )
-            params = {"engine_config": ",".join(ucx)} if backend == "UCX" and ucx else {}
+            params = {"engine_config": ",".join(ucx)} if backend == "UCX" else {}
             try:
                 with _net_devices(devices if backend == "UCX" else None):
                     agent.create_backend(backend, params)

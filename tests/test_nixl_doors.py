@@ -255,3 +255,16 @@ def test_a_params_holder_reads_only_live_leases_and_writes_no_arena(two_hosts):
         (s, _), n = item["extents"][0], item["nbytes"]
         expect[s * window.block_bytes :][:n] = np.frombuffer(item_bytes(psched, key), np.uint8)
     assert np.array_equal(buf, expect)  # the other lease's items, nothing else
+
+
+def sysv_segments():
+    """shmids of the SysV segments this process created."""
+    with open("/proc/sysvipc/shm") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {r[1] for r in rows if int(r[4]) == os.getpid()}  # shmid, cpid
+
+
+def test_no_sysv_segment_a_group_could_attach(two_hosts):
+    before = sysv_segments()
+    two_hosts("127.0.0.1")  # UCX's SysV transport makes 0660 segments: it is turned off
+    assert sysv_segments() == before
