@@ -4,7 +4,7 @@ The second host is a network namespace this test creates (as root): a veth
 pair joins it to this one, ``10.213.37.1`` here and ``10.213.37.2`` there, a
 private /30 that exists only inside this machine; the namespace has no other
 route, so its traffic goes only between those two addresses. Both are deleted
-at teardown. Where namespaces are refused (not root, no ``ip``, a container
+at the module's end. Where namespaces are refused (not root, no ``ip``, a container
 without CAP_NET_ADMIN) these tests skip.
 
 * The stranger (``nixl_stranger.py`` in the namespace) knows the producer's and
@@ -49,9 +49,11 @@ def _ip(*args, check=True):
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=10)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def second_host():
-    """(namespace name, this host's address, its address); deleted afterwards."""
+    """(namespace name, this host's address, its address); deleted afterwards. One per
+    module: UCX reads the routes once, and a veth made again under the same name a
+    moment later was at times "no route" to it."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("a second test host needs root and iproute2 (ip netns)")
     tag = f"{os.getpid() % 100000}"
