@@ -19,12 +19,19 @@ vLLM at start-up with a message instead of failing a request later.
 | ``nixl`` | ``None`` (off) | pull items between hosts' arenas (:mod:`.remote_pull`): a dict of |
 |  |  | :data:`NIXL_DEFAULTS` keys; ``{}`` takes every default. Off: nixl is never imported |
 
-``nixl`` keys: ``listen_port`` (0: a free port; the producer's must be reachable
-from consumers), ``host`` (the address other hosts reach this one at; default:
-the outward interface), ``backends`` (NIXL backends, ``["UCX"]``), ``lease_s``
-(producer: how long announced items stay pinned without a consumer's
-notification), ``timeout_s`` (consumer: bound on connecting to a producer and on
-one pull; past it the request's items are encoded locally).
+``nixl`` keys: ``host`` (this host's address on the network the other hosts
+reach: NIXL's transport, UCX, uses only the interface that has it and listens
+on that address alone; default: the outward interface; ``"*"``: every
+interface), ``tcp_port_range`` (``[first, last]``: the port UCX's TCP listener
+takes, for a firewall rule; default: any the OS picks), ``window_bytes``
+(producer: the export window announced items are copied into, the only memory
+consumers can read; an item that does not fit is not announced),
+``backends`` (NIXL backends, ``["UCX"]``), ``lease_s`` (producer: how long an
+announced item stays in the window without a consumer's notification),
+``timeout_s`` (consumer: bound on one pull; past it the request's items are
+encoded locally). No NIXL listener runs (the old ``listen_port`` is refused):
+the producer's metadata travels inside ``ec_transfer_params``; README
+"Security" says who can reach what.
 """
 
 from __future__ import annotations
@@ -49,8 +56,9 @@ DEFAULTS: dict[str, Any] = {
     "nixl": None,
 }
 NIXL_DEFAULTS: dict[str, Any] = {
-    "listen_port": 0,
     "host": None,
+    "tcp_port_range": None,
+    "window_bytes": "256MiB",
     "backends": ["UCX"],
     "lease_s": 30.0,
     "timeout_s": 30.0,
@@ -61,8 +69,9 @@ NIXL_DEFAULTS: dict[str, Any] = {
 class NixlConfig:
     """The ``nixl`` key: see the module docstring."""
 
-    listen_port: int = 0
     host: str | None = None
+    tcp_port_range: tuple[int, int] | None = None
+    window_bytes: int = 256 << 20
     backends: tuple[str, ...] = ("UCX",)
     lease_s: float = 30.0
     timeout_s: float = 30.0
@@ -76,15 +85,34 @@ class NixlConfig:
                 f"nixl must be a dict of {sorted(NIXL_DEFAULTS)} (or null to disable), "
                 f"got {type(value).__name__} {value!r}"
             )
+        if "listen_port" in value:
+            raise ConfigError(
+                "nixl.listen_port is gone: no NIXL listener runs any more (the producer's "
+                "metadata travels inside ec_transfer_params); remove it, and open "
+                "nixl.tcp_port_range on the producer instead (README \"Security\")"
+            )
         unknown = sorted(set(value) - set(NIXL_DEFAULTS))
         if unknown:
             raise ConfigError(
                 f"unknown nixl key(s) {unknown}; nixl accepts {sorted(NIXL_DEFAULTS)}"
             )
         v = {**NIXL_DEFAULTS, **value}
-        port = v["listen_port"]
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ConfigError(f"nixl.listen_port must be an int in 0..65535, got {port!r}")
+        ports = v["tcp_port_range"]
+        if ports is not None:
+            if (
+                not isinstance(ports, (list, tuple))
+                or len(ports) != 2
+                or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
+                or not 1 <= ports[0] <= ports[1] <= 65535
+            ):
+                raise ConfigError(
+                    f"nixl.tcp_port_range must be [first, last] with 1 <= first <= last <= "
+                    f"65535, or null, got {ports!r}"
+                )
+            ports = (ports[0], ports[1])
+        window = parse_bytes(v["window_bytes"], name="nixl.window_bytes")
+        if window < 4096:
+            raise ConfigError(f"nixl.window_bytes must be at least 4KiB, got {v['window_bytes']!r}")
         host = v["host"]
         if host is not None and (not isinstance(host, str) or not host):
             raise ConfigError(f"nixl.host must be a non-empty string or null, got {host!r}")
@@ -104,7 +132,7 @@ class NixlConfig:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
                 raise ConfigError(f"nixl.{key} must be a positive number of seconds, got {t!r}")
             times[key] = float(t)
-        return cls(port, host, tuple(backends), **times)
+        return cls(host, ports, window, tuple(backends), **times)
 
 
 @dataclass(frozen=True)

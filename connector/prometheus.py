@@ -47,7 +47,9 @@ DESCRIPTIONS = {
     "copy failed).",
     "unexpected_reports": "Worker reports for keys or loads the scheduler did not ship.",
     "remote_items_announced": "Encoder outputs announced to other hosts in ec_transfer_params "
-    "(pinned until the consumer's notification or the lease's end).",
+    "(copied into the export window until the consumer's notification or the lease's end).",
+    "remote_items_not_announced_window_full": "READY encoder outputs not announced: the export "
+    "window (nixl.window_bytes) had no room for them.",
     "remote_leases_expired": "Announcements released because their lease ended before a "
     "consumer's notification.",
     "remote_items_pulled": "Encoder outputs pulled from another host's arena with NIXL.",

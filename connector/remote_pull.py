@@ -11,7 +11,8 @@ Protocol, one request::
     (ec_producer / ec_both)                                         (ec_consumer / ec_both)
     encodes; its worker commits the items
     request_finished(r) -> (False, params):  takes the producer's
-      pins r's READY items (a lease)         RequestOutput's
+      copies r's READY items into its        RequestOutput's
+      export window (a lease)
                                              ec_transfer_params,
                                              sends the request to
                                              the consumer with
@@ -20,7 +21,8 @@ Protocol, one request::
                                               params})
                                                                     ensure_cache_available(r):
                                                                       items announced, not local:
-                                                                      connect (once per producer),
+                                                                      connect (from the params;
+                                                                      no round trip),
                                                                       reserve local blocks, ONE
                                                                       NIXL READ; False (held)
                                                                     each step: poll the reads
@@ -29,29 +31,29 @@ Protocol, one request::
                                                                       load as local hits
                                                                       "error": encode locally
     each step: the consumer's notification  <-- sent by NIXL when the read ends
-      or the lease's expiry -> unpin
+      or the lease's expiry -> zero and free
+      the window slots
 
-``ec_transfer_params`` (JSON, what :meth:`RemoteProducer.announce` returns)::
+``ec_transfer_params``: the JSON of :class:`.transfer_params.TransferParams`
+(that module is the wire format, both directions).
 
-    {"ecoffload": 1,
-     "layout": "ecoffload-<hash>",          model and dtype the bytes are for (a consumer of
-                                            another model refuses them)
-     "peer": PeerCard.to_dict(),            the producer's NIXL listener and arena geometry
-     "lease_s": 30.0, "expires_at": t,      pins last lease_s; t: producer's wall clock
-     "notify": "ecoffload:<n>:<request_id>",
-     "items": {mm_hash: {"extents": [[start, count], ...], "nbytes": int, "dtype": str,
-                         "shape": [int, ...], "generation": int, "crc32": int}}}
+Doors: no NIXL listener runs on either side. The producer registers only its
+export window (copies of announced items, zeroed when their lease ends), never
+the arena; the consumer registers its arena as the local end of its reads and
+never publishes its metadata. README "Security" has the whole trust model.
 
 Rules:
 
-* Only READY items are announced (pinned under the catalog lock): an item still
-  WRITING (its copy not complete) is omitted and the consumer encodes it.
+* Only READY items are announced (pinned under the catalog lock while they are
+  copied into the window): an item still WRITING (its copy not complete), or
+  one the window has no room for, is omitted and the consumer encodes it.
 * The returned bool is always False. vLLM 0.32 ORs it into the *KV* blocks'
   delay-free flag, and only a KV connector's ``finished_sending`` frees such
-  blocks, so True would leak them; the lease (pins) keeps the items instead.
-* A pull never blocks the scheduler: connecting and reading are polled once per
-  step (``build_connector_meta``), each bounded by ``timeout_s`` and by the
-  lease (``expires_at`` less a second of clock skew). A pull that fails, times
+  blocks, so True would leak them; the lease (window slots) keeps the items instead.
+* A pull never blocks the scheduler: connecting is local work (the params carry
+  the producer's metadata), the read is polled once per step
+  (``build_connector_meta``), bounded by ``timeout_s`` and by the lease
+  (``expires_at`` less a second of clock skew). A pull that fails, times
   out or whose bytes fail the CRC-32 is given up: its reservations are aborted
   once NIXL can no longer write into them (``PullHandle.settled``), and the
   request's items are encoded locally when it carries their inputs (else the
@@ -59,8 +61,7 @@ Rules:
 * Garbled or foreign ``ec_transfer_params``, or params of another layout
   (model, dtype) or whose rows differ from the request's, are refused (logged,
   counted) and the request falls back the same way; nothing raises into the
-  scheduler. A producer that did not answer is not tried again for
-  ``timeout_s``: requests naming it fall back at once.
+  scheduler.
 * Leases end on the consumer's notification or after ``lease_s``, checked on
   every step and by a small thread while leases are held (an idle engine does
   not step).
@@ -71,36 +72,41 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
+from ..engine.allocator import Extent
 from ..engine.catalog import ItemState
-from ..engine.errors import CatalogError, RemoteError
+from ..engine.errors import CatalogError
 from ..engine.items import item_crc32
-from ..engine.remote import ArenaPeer, PeerCard, Pull, PullHandle
+from ..engine.remote import ArenaPeer, Pull, PullHandle
 from .config import NixlConfig
+from .transfer_params import AnnouncedItem, TransferParams
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
 CLOCK_SKEW_S = 1.0  # assumed bound on the hosts' wall-clock difference
 
 
-def open_peer(arena: Any, config: NixlConfig) -> ArenaPeer:
-    """This scheduler's NIXL agent over its arena (listening: consumers connect by card)."""
+def open_peer(arena: Any, config: NixlConfig, *, producer: bool, consumer: bool) -> ArenaPeer:
+    """This scheduler's NIXL agent: a producer exports a window (never the arena), a
+    consumer registers its arena as the local end of its reads. Nothing listens."""
     name = f"ecoffload-{socket.gethostname()}-{os.getpid()}-{arena.nonce & 0xFFFFFFFF:08x}"
-    return ArenaPeer(arena, name, listen_port=config.listen_port, host=config.host,
+    return ArenaPeer(arena, name, host=config.host,
+                     export_bytes=config.window_bytes if producer else 0,
+                     register_arena=consumer, tcp_port_range=config.tcp_port_range,
                      backends=config.backends)  # fmt: skip
 
 
 class RemoteProducer:
-    """Announces a finished request's READY items and pins them until the consumer's
-    notification or the lease's end.
+    """Announces a finished request's READY items: copies them into the peer's export
+    window, where they stay until the consumer's notification or the lease's end.
 
     :meth:`step` runs on every scheduler step and, while leases are held, on a
     small thread every ``tick_s`` (an idle engine does not step, and its leases
@@ -119,7 +125,8 @@ class RemoteProducer:
     ) -> None:
         self.peer, self.catalog, self.config, self._counts = peer, catalog, config, counts
         self.layout = layout
-        self._leases: dict[str, tuple[list[str], float]] = {}  # notify -> (pinned keys, expiry)
+        self._metadata = peer.metadata()  # the same for every request: computed once
+        self._leases: dict[str, tuple[list[list[Extent]], float]] = {}  # notify -> (slots, expiry)
         self._seq = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -138,8 +145,11 @@ class RemoteProducer:
                     log.exception("ecoffload: releasing leases failed")
 
     def announce(self, request: Any) -> dict[str, Any] | None:
-        """``ec_transfer_params`` for ``request``'s READY items (pinned now), or None."""
-        items: dict[str, dict[str, Any]] = {}
+        """``ec_transfer_params`` for ``request``'s READY items (copied into the export
+        window now), or None."""
+        window = self.peer.window
+        items: dict[str, AnnouncedItem] = {}
+        slots: list[list[Extent]] = []
         host = self.peer.arena.host.numpy()
         block = self.peer.arena.block_bytes
         for feature in request.mm_features or ():
@@ -150,121 +160,78 @@ class RemoteProducer:
                 entry = self.catalog.pin(key)  # READY only: never a WRITING item's bytes
             except CatalogError:
                 continue  # absent, still being written or evicted: the consumer encodes it
+            try:
+                with self._lock:
+                    slot = window.put(host, entry.extents, block, entry.nbytes)
+            finally:
+                self.catalog.unpin(key)
+            if slot is None:
+                self._counts["remote_items_not_announced_window_full"] += 1
+                continue
+            slots.append(slot)
             crc = entry.checksum
             if crc is None:
-                crc = item_crc32(host, entry.extents, block, entry.nbytes)
-            items[key] = {
-                "extents": [[int(s), int(c)] for s, c in entry.extents],
-                "nbytes": entry.nbytes,
-                "dtype": entry.dtype,
-                "shape": list(entry.shape),
-                "generation": entry.generation,
-                "crc32": crc,
-            }
+                crc = item_crc32(window.data, slot, window.block_bytes, entry.nbytes)
+            items[key] = AnnouncedItem(tuple((int(s), int(c)) for s, c in slot), entry.nbytes,
+                                       entry.dtype, tuple(entry.shape), crc)  # fmt: skip
         if not items:
             return None
         with self._lock:
             self._seq += 1
-            notify = f"ecoffload:{self._seq}:{request.request_id}"
-            self._leases[notify] = (list(items), time.monotonic() + self.config.lease_s)
+            # unguessable: a holder of one request's params cannot end another's lease
+            notify = f"ecoffload:{self._seq}:{secrets.token_hex(8)}:{request.request_id}"
+            self._leases[notify] = (slots, time.monotonic() + self.config.lease_s)
         self._counts["remote_items_announced"] += len(items)
-        return {
-            "ecoffload": FORMAT,
-            "layout": self.layout,
-            "peer": self.peer.card().to_dict(),
-            "lease_s": self.config.lease_s,
-            "expires_at": time.time() + self.config.lease_s,
-            "notify": notify,
-            "items": items,
-        }
+        expires_at = time.time() + self.config.lease_s
+        params = TransferParams(self.layout, self._metadata, self.config.lease_s, expires_at,
+                                notify, items)  # fmt: skip
+        return params.to_json()
 
     @property
     def leases(self) -> int:
         return len(self._leases)
 
     def step(self) -> None:
-        """Unpin the leases consumers have read (their notification) or that expired."""
+        """Free the window slots of leases consumers have read (their notification) or
+        that expired."""
         with self._lock:
             if self.peer.closed:
                 return
             for _, message in self.peer.notifications():
                 lease = self._leases.pop(message.decode(errors="replace"), None)
                 if lease is not None:
-                    self._unpin(lease[0])
+                    self._release(lease[0])
             now = time.monotonic()
             for notify in [n for n, (_, expiry) in self._leases.items() if expiry <= now]:
-                self._unpin(self._leases.pop(notify)[0])
+                self._release(self._leases.pop(notify)[0])
                 self._counts["remote_leases_expired"] += 1
 
-    def _unpin(self, keys: list[str]) -> None:
-        for key in keys:
-            with contextlib.suppress(CatalogError):  # only if the arena was reset under us
-                self.catalog.unpin(key)
+    def _release(self, slots: list[list[Extent]]) -> None:
+        for slot in slots:
+            self.peer.window.release(slot)
 
     def close(self) -> None:
-        """Stop the thread, unpin every lease (close before the peer and the catalog)."""
+        """Stop the thread, end every lease (close before the peer)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         with self._lock:
-            for keys, _ in self._leases.values():
-                self._unpin(keys)
+            if not self.peer.closed:
+                for slots, _ in self._leases.values():
+                    self._release(slots)
             self._leases.clear()
-
-
-class Announced(NamedTuple):
-    """One announced item, checked."""
-
-    extents: list[tuple[int, int]]
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    crc32: int | None
-
-
-def parse_params(
-    params: Any, layout: str
-) -> tuple[PeerCard, str, float, dict[str, Announced]]:
-    """(card, notify, expires_at, items) of ecoffload ``ec_transfer_params`` made for
-    ``layout``; raises ValueError (with what is wrong) for anything else."""
-    if not isinstance(params, Mapping) or params.get("ecoffload") != FORMAT:
-        raise ValueError(f"not ecoffload ec_transfer_params (format {FORMAT}): {params!r:.200}")
-    if params.get("layout") != layout:
-        raise ValueError(
-            f"announced for layout {params.get('layout')!r}, this instance serves {layout!r}: "
-            "give producer and consumer the same model and dtype"
-        )
-    try:
-        card = PeerCard.from_dict(params["peer"])
-        notify = params["notify"]
-        expires_at = float(params["expires_at"])
-        raw = params["items"]
-        if not isinstance(notify, str) or not isinstance(raw, Mapping):
-            raise TypeError("notify must be a string and items a dict")
-        items = {}
-        for key, d in raw.items():
-            extents = [(int(s), int(c)) for s, c in d["extents"]]
-            nbytes, shape = int(d["nbytes"]), tuple(int(x) for x in d["shape"])
-            crc = d.get("crc32")
-            if nbytes <= 0 or not isinstance(d["dtype"], str) or not isinstance(key, str):
-                raise ValueError(f"item {key!r}: nbytes must be positive, dtype a string")
-            items[key] = Announced(extents, nbytes, d["dtype"], shape,
-                                   None if crc is None else int(crc))  # fmt: skip
-    except (AttributeError, KeyError, TypeError, ValueError, RemoteError) as exc:
-        raise ValueError(f"malformed ecoffload ec_transfer_params ({exc})") from None
-    return card, notify, expires_at, items
 
 
 @dataclass(eq=False)
 class _Pull:
-    """One request's read: "connecting" -> "reading" -> "done" | "failed"."""
+    """One request's read: "reading" -> "done" | "failed"."""
 
     request_id: str
     peer: str
     notify: bytes
     expires_at: float
-    items: dict[str, Announced]
-    state: str = "connecting"
+    items: dict[str, AnnouncedItem]
+    state: str = "reading"
     handle: PullHandle | None = None
     reserved: dict[str, tuple[int, list[tuple[int, int]]]] = field(default_factory=dict)
     fallback: set[str] = field(default_factory=set)  # keys the request must encode itself
@@ -283,9 +250,7 @@ class RemoteConsumer:
         self.layout = layout
         self._pulls: dict[str, _Pull] = {}  # request id -> its pull
         self._pulling: dict[str, str] = {}  # key -> request id whose pull reserved it
-        self._connecting: dict[str, float] = {}  # peer name -> connect deadline (monotonic)
         self._broken: set[str] = set()  # peers to forget once none of their reads is unsettled
-        self._unreachable: dict[str, float] = {}  # peer name -> until when not to try again
         self._unsettled: list[tuple[PullHandle, dict[str, tuple[int, Any]]]] = []
         self._unavailable: set[str] = set()
 
@@ -294,7 +259,7 @@ class RemoteConsumer:
         rid = request.request_id
         pull = self._pulls.get(rid)
         if pull is not None:
-            if pull.state in ("connecting", "reading"):
+            if pull.state == "reading":
                 return False
             del self._pulls[rid]
             return self._resolve(request, pull.fallback, pull.why)
@@ -302,12 +267,13 @@ class RemoteConsumer:
         if not params:
             return True
         try:
-            card, notify, expires_at, items = parse_params(params, self.layout)
+            announced = TransferParams.parse(params, self.layout)
         except ValueError as exc:
             self._counts["remote_params_refused"] += 1
             keys = {f.identifier for f in request.mm_features}
             return self._resolve(request, keys, str(exc))
-        want: dict[str, Announced] = {}
+        items, notify = announced.items, announced.notify
+        want: dict[str, AnnouncedItem] = {}
         refused: set[str] = set()
         for index, feature in enumerate(request.mm_features):
             key, pos = feature.identifier, feature.mm_position
@@ -323,25 +289,20 @@ class RemoteConsumer:
                 want[key] = items[key]
         if refused:
             self._counts["remote_params_refused"] += 1
-        if not want:
-            self._notify_if_connected(card.name, notify)
-            return self._resolve(request, refused, "announced with the wrong number of rows")
-        pull = _Pull(rid, card.name, notify.encode(), expires_at, want, fallback=refused)
-        if self._unreachable.get(card.name, 0.0) > time.monotonic():
-            self._counts["remote_pull_failures"] += 1
-            return self._resolve(request, set(want) | refused, f"{card.name} did not answer lately")
         try:
-            self.peer.begin_connect(card)
-        except Exception as exc:  # a card without a listener, NIXL refusing it...
+            name = self.peer.connect(announced.peer)  # local work: no round trip
+        except Exception as exc:  # NIXL refusing the metadata...
             self._counts["remote_pull_failures"] += 1
-            return self._resolve(request, set(want), f"cannot connect to {card.name}: {exc}")
+            return self._resolve(request, set(want) | refused, f"cannot use the params: {exc}")
+        if not want:  # nothing to pull: release the producer's lease now
+            with contextlib.suppress(Exception):
+                self.peer.read(name, [], notify=notify.encode())
+            return self._resolve(request, refused, "announced with the wrong number of rows")
+        pull = _Pull(rid, name, notify.encode(), announced.expires_at, want, fallback=refused)
         self._pulls[rid] = pull
         for key in want:
             self._pulling[key] = rid
-        if self.peer.connect_done(card.name):
-            self._start(pull)
-        else:
-            self._connecting.setdefault(card.name, time.monotonic() + self.config.timeout_s)
+        self._start(pull)
         return False
 
     def _resolve(self, request: Any, fallback: set[str], why: str) -> bool:
@@ -364,12 +325,6 @@ class RemoteConsumer:
                     request.request_id, len(fallback), why)  # fmt: skip
         self._counts["remote_fallbacks"] += 1
         return True
-
-    def _notify_if_connected(self, peer: str, notify: str) -> None:
-        """Release the producer's lease early when nothing needs pulling (else it expires)."""
-        if peer in self.peer.remotes:
-            with contextlib.suppress(Exception):
-                self.peer.read(peer, [], notify=notify.encode())
 
     def _start(self, pull: _Pull) -> None:
         """Reserve local blocks for the pull's items and post its one read."""
@@ -397,26 +352,7 @@ class RemoteConsumer:
         pull.state = "reading"
 
     def step(self) -> None:
-        """Once per scheduler step: advance connections and reads, settle abandoned ones."""
-        now = time.monotonic()
-        for name, deadline in list(self._connecting.items()):
-            try:
-                ready = self.peer.connect_done(name)
-            except Exception:
-                ready, deadline = False, 0.0
-            if not ready and now < deadline:
-                continue
-            del self._connecting[name]
-            if not ready:  # later requests naming it fall back at once for a while
-                self._unreachable[name] = now + self.config.timeout_s
-                with contextlib.suppress(Exception):
-                    self.peer.disconnect(name)
-            for pull in [p for p in self._pulls.values()
-                         if p.peer == name and p.state == "connecting"]:  # fmt: skip
-                if ready:
-                    self._start(pull)
-                else:
-                    self._fail(pull, f"no answer from {name} within {self.config.timeout_s:g} s")
+        """Once per scheduler step: advance reads, settle abandoned ones."""
         for pull in [p for p in self._pulls.values() if p.state == "reading"]:
             state = self.peer.poll(pull.handle)
             if state == "done":
@@ -433,7 +369,7 @@ class RemoteConsumer:
                 still.append((handle, reserved))
         self._unsettled = still
         for name in list(self._broken):
-            active = [p for p in self._pulls.values() if p.state in ("connecting", "reading")]
+            active = [p for p in self._pulls.values() if p.state == "reading"]
             if not any(h.peer == name for h, _ in self._unsettled) and not any(
                 p.peer == name for p in active
             ):
@@ -443,8 +379,6 @@ class RemoteConsumer:
         for rid, pull in list(self._pulls.items()):
             if pull.orphan and pull.state in ("done", "failed"):
                 del self._pulls[rid]
-        for name in [n for n, until in self._unreachable.items() if until <= now]:
-            del self._unreachable[name]
 
     def _finish(self, pull: _Pull) -> None:
         """The read completed: publish each item whose bytes match the producer's CRC."""
@@ -509,15 +443,13 @@ class RemoteConsumer:
 
     @property
     def busy(self) -> bool:
-        """Pulls connecting or reading, or abandoned reads not settled yet."""
-        return bool(self._unsettled) or any(
-            p.state in ("connecting", "reading") for p in self._pulls.values()
-        )
+        """Pulls reading, or abandoned reads not settled yet."""
+        return bool(self._unsettled) or any(p.state == "reading" for p in self._pulls.values())
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Give up every pull; wait (bounded) for NIXL to let go of their blocks."""
         for pull in list(self._pulls.values()):
-            if pull.state in ("connecting", "reading"):
+            if pull.state == "reading":
                 if pull.handle is not None:
                     self.peer.release(pull.handle)
                 self._fail(pull, "shutting down")

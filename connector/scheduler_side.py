@@ -23,8 +23,8 @@ released. Reservations and pins belong to this process: if it dies, the
 catalog releases them for the other instances.
 
 Between hosts (``nixl`` configured, :mod:`.remote_pull`): ``request_finished``
-returns ``ec_transfer_params`` announcing the request's READY items (pinned for
-a lease; never delays KV freeing), ``ensure_cache_available`` holds a request
+returns ``ec_transfer_params`` announcing the request's READY items (copied into
+the export window for a lease; never delays KV freeing), ``ensure_cache_available`` holds a request
 while one NIXL read pulls its announced items into the local arena (then they
 load as ordinary hits), ``take_unavailable_requests`` returns requests whose
 items could neither be pulled nor encoded locally; each step
@@ -82,7 +82,8 @@ class SchedulerSide:
         self.peer = self.remote_producer = self.remote_consumer = None
         if config.nixl is not None:  # pulls between hosts (remote_pull.py)
             try:
-                self.peer = open_peer(self.arena, config.nixl)
+                self.peer = open_peer(self.arena, config.nixl, producer=self.producer,
+                                      consumer=self.consumer)
             except BaseException:
                 self.catalog.close()
                 self.arena.close()

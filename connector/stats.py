@@ -30,7 +30,8 @@ COUNTERS = (
     "saves_skipped_no_room",
     "saves_failed",
     "unexpected_reports",  # worker reports for keys or loads the scheduler did not ship
-    "remote_items_announced",  # producer: items offered to other hosts (pinned for a lease)
+    "remote_items_announced",  # producer: items offered to other hosts (copied for a lease)
+    "remote_items_not_announced_window_full",  # producer: no room in its export window
     "remote_leases_expired",  # producer: leases released by expiry, not by a consumer
     "remote_items_pulled",  # consumer: items pulled from another host's arena
     "remote_bytes_pulled",

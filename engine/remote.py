@@ -5,37 +5,46 @@ consumer instances)::
 
     producer (holds the items)                 consumer (wants them)
     --------------------------                 ---------------------
-    peer = ArenaPeer(arena, name,              peer = ArenaPeer(arena, name,
-                     listen_port=0)                             listen_port=0)
-    pin the items in its catalog
-    publish peer.card() + each item's          connect(card)            (once per producer)
+    peer = ArenaPeer(arena, name,              peer = ArenaPeer(arena, name)
+                     export_bytes=...,
+                     register_arena=False)
+    slot = peer.window.put(arena bytes of
+           an item): a copy of it, leased
+    publish peer.metadata() + each slot's      connect(metadata)        (local: no round trip)
       extents, nbytes, dtype, shape            reserve local blocks in its catalog
-                                               h = read(name, [Pull(remote, local, nbytes), ...],
+                                               h = read(name, [Pull(slot, local, nbytes), ...],
                                                         notify=b"...")  (one NIXL READ)
                                                poll(h) once per step: "pending" | "done" | "error"
-                                               "done": commit the reservations
+                                               "done": verify, commit the reservations
                                                "error": abort them once h.settled
     notifications(): (consumer, b"...")
-      -> unpin what was read (or unpin when a lease expires: a consumer may never read)
+      -> window.release(slot) (or when the lease expires: a consumer may never read)
 
-Addresses: each peer registers its arena's whole data area (one DRAM region,
-the mapped file, at ``arena.host.data_ptr()``) with NIXL. A remote item is
-named by block extents ``(start, count)`` in the remote arena; the byte
-address is ``card.base + start * card.block_bytes``, so the consumer needs the
-producer's :class:`PeerCard` (name, listener address, base, block size, block
-count), which is small and JSON-serialisable. An item is the first ``nbytes``
-of the concatenation of its extents, on each side; the two sides may use
-different block sizes and cut the item into different extents: :meth:`read`
-walks both lists and emits one descriptor pair per piece that is contiguous on
-both sides (only ``nbytes`` move: the tail of an item's last block on either
-side is neither read nor written).
+Doors (see README "Security"): no NIXL listener ever runs, so nothing answers a
+metadata request; a producer's metadata reaches consumers only inside the
+params its coordinator forwards. What a peer registers with NIXL:
 
-Connecting: by :meth:`ArenaPeer.metadata` bytes (passed out of band; nothing
-listens), or by card through NIXL's listener (the remote's ``listen_port``;
-this peer must listen too, since the answer comes back to its own listener):
-:meth:`connect` waits for the answer, :meth:`begin_connect` /
-:meth:`connect_done` let a caller that must never block (vLLM's scheduler)
-poll for it.
+* a producer: its :class:`~ecoffload.engine.export_window.ExportWindow` only
+  (anonymous memory holding copies of the items it announced, zeroed when their
+  leases end); :meth:`metadata` describes that registration alone.
+* a consumer: its arena's data area, as the local end of its READs. Its
+  metadata is never published (it cannot be: :meth:`metadata` without a window
+  raises), so no remote agent can name that memory.
+
+UCX, NIXL's transport, still listens (its SysV shared-memory transport is off:
+its 0660 segments would be open to the process's group): a TCP socket bound to the address of
+``host``'s interface only (UCX's ``NET_DEVICES`` is that interface plus the
+host's RDMA ports, which open no TCP port; an operator's own
+``UCX_NET_DEVICES`` wins; ``host="*"``: every interface), on a port the OS
+picks (``tcp_port_range`` narrows it).
+
+Addresses: a remote item is named by block extents ``(start, count)`` in the
+remote window; the byte address is ``card.base + start * card.block_bytes``
+(:class:`PeerCard`: name, base, block size, block count of the window). An item
+is the first ``nbytes`` of the concatenation of its extents, on each side; the
+two sides may use different block sizes and cut the item into different
+extents: :meth:`read` walks both lists and emits one descriptor pair per piece
+that is contiguous on both sides (only ``nbytes`` move).
 
 Completion: :meth:`poll` never blocks. A transfer ends "done", or "error" when
 NIXL reports a failure (the remote died or disconnected: NIXL raises, this
@@ -59,9 +68,13 @@ this module works without it, creating a peer raises
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
+import glob
 import importlib
 import json
+import os
 import socket
 import struct
 import time
@@ -73,6 +86,8 @@ import numpy as np
 
 from .allocator import Extent, blocks_for
 from .errors import NixlNotInstalledError, RemoteExtentError, RemotePeerError
+from .export_window import ExportWindow
+from .extent_pieces import pieces as _pieces
 
 TransferState = Literal["pending", "done", "error"]
 
@@ -116,15 +131,10 @@ class Pull(NamedTuple):
 
 @dataclass(frozen=True)
 class PeerCard:
-    """What a consumer needs to reach a producer's arena; JSON-serialisable (``to_dict``).
-
-    ``base`` is the address of the data area in the producer's process;
-    ``host``/``port`` its NIXL listener (None when it does not listen).
-    """
+    """The geometry of a producer's export window, as its :meth:`ArenaPeer.metadata`
+    carries it: ``base`` is the window's address in the producer's process."""
 
     name: str
-    host: str | None
-    port: int | None
     base: int
     block_bytes: int
     num_blocks: int
@@ -137,16 +147,14 @@ class PeerCard:
         try:
             card = cls(
                 name=str(d["name"]),
-                host=None if d.get("host") is None else str(d["host"]),
-                port=None if d.get("port") is None else int(d["port"]),
                 base=int(d["base"]),
                 block_bytes=int(d["block_bytes"]),
                 num_blocks=int(d["num_blocks"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise RemotePeerError(
-                f"peer card {dict(d)!r} is malformed ({exc!r}): expected the keys name, host, "
-                "port, base, block_bytes, num_blocks, as PeerCard.to_dict() writes them"
+                f"peer card {dict(d)!r} is malformed ({exc!r}): expected the keys name, base, "
+                "block_bytes, num_blocks, as PeerCard.to_dict() writes them"
             ) from None
         if card.block_bytes <= 0 or card.num_blocks <= 0 or card.base <= 0:
             raise RemotePeerError(
@@ -172,13 +180,7 @@ class PullHandle:
     _xfer: Any = field(default=None, repr=False)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _local_ip() -> str:
+def _outward_ip() -> str:
     """The address of the interface that routes outwards (no packet is sent)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -186,6 +188,73 @@ def _local_ip() -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(host: str) -> str:
+    """The name of the local network interface whose IPv4 address is ``host``
+    (what UCX's ``NET_DEVICES`` takes); raises RemotePeerError if none has it."""
+    try:
+        want = socket.inet_aton(socket.gethostbyname(host))
+    except OSError as exc:
+        raise RemotePeerError(f"nixl host {host!r} is not an IPv4 address ({exc})") from None
+    seen = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            req = array.array("B", struct.pack("256s", name.encode()[:15]))
+            try:
+                fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)
+            except OSError:
+                continue  # no IPv4 address
+            addr = bytes(req[20:24])
+            seen.append(f"{name}={socket.inet_ntoa(addr)}")
+            if addr == want:
+                return name
+    raise RemotePeerError(
+        f"no local interface has the address {host!r} (interfaces: {', '.join(seen)}): "
+        "set nixl.host to this host's address on the network the other hosts reach"
+    )
+
+
+def split_metadata(blob: bytes) -> tuple[PeerCard, bytes]:
+    """(card, NIXL metadata) of :meth:`ArenaPeer.metadata` bytes; RemotePeerError otherwise."""
+    head = len(_MAGIC) + _LEN.size
+    if not blob.startswith(_MAGIC) or len(blob) < head:
+        raise RemotePeerError(
+            f"{len(blob)} bytes that are not ArenaPeer.metadata() output (they start "
+            f"{blob[:16]!r}): pass what the remote's metadata() returned"
+        )
+    (n,) = _LEN.unpack_from(blob, len(_MAGIC))
+    try:
+        card = PeerCard.from_dict(json.loads(blob[head : head + n]))
+    except (ValueError, AttributeError) as exc:
+        raise RemotePeerError(f"the peer metadata's card is not a JSON card ({exc})") from None
+    return card, blob[head + n :]
+
+
+def rdma_ports() -> list[str]:
+    """UCX names (``mlx5_0:1``) of this host's RDMA ports: kept usable when ``host``
+    narrows UCX to one IP interface (RDMA opens no TCP port)."""
+    out = []
+    for dev in sorted(glob.glob("/sys/class/infiniband/*/ports/*")):
+        out.append(f"{dev.split('/')[4]}:{dev.rsplit('/', 1)[1]}")
+    return out
+
+
+@contextlib.contextmanager
+def _net_devices(devices: str | None) -> Iterator[None]:
+    """``UCX_NET_DEVICES=devices`` while a UCX backend reads its configuration (NIXL's
+    engine_config cannot carry a list); an operator's own UCX_NET_DEVICES wins."""
+    if devices is None or "UCX_NET_DEVICES" in os.environ:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        del os.environ["UCX_NET_DEVICES"]
 
 
 def _check_extents(
@@ -210,50 +279,23 @@ def _check_extents(
     return out
 
 
-def _pieces(
-    remote: Sequence[tuple[int, int]],
-    rbb: int,
-    local: Sequence[tuple[int, int]],
-    lbb: int,
-    nbytes: int,
-) -> Iterator[tuple[int, int, int]]:
-    """(remote offset, local offset, length) of the pieces contiguous on both sides,
-    covering the first ``nbytes`` of each side's extent stream (checked to hold them)."""
-    ri = li = 0
-    r_off = r_left = l_off = l_left = 0
-    left = nbytes
-    cur: list[int] | None = None  # [remote offset, local offset, length] being extended
-    while left > 0:
-        if r_left == 0:
-            r_off, r_left = remote[ri][0] * rbb, remote[ri][1] * rbb
-            ri += 1
-        if l_left == 0:
-            l_off, l_left = local[li][0] * lbb, local[li][1] * lbb
-            li += 1
-        n = min(r_left, l_left, left)
-        if cur is not None and cur[0] + cur[2] == r_off and cur[1] + cur[2] == l_off:
-            cur[2] += n
-        else:
-            if cur is not None:
-                yield cur[0], cur[1], cur[2]
-            cur = [r_off, l_off, n]
-        left -= n
-        r_off, r_left, l_off, l_left = r_off + n, r_left - n, l_off + n, l_left - n
-    if cur is not None:
-        yield cur[0], cur[1], cur[2]
-
-
 class ArenaPeer:
-    """A NIXL agent over one :class:`~ecoffload.engine.arena.Arena`: it serves its data
-    area to remote peers and reads items from theirs into it.
+    """A NIXL agent over one :class:`~ecoffload.engine.arena.Arena`: it reads items
+    from remote peers' export windows into its arena, and (``export_bytes`` > 0)
+    exposes its own export window to them. It never listens for metadata.
 
     Args:
         arena: an open arena; it must outlive the peer (close the peer first).
         name: the NIXL agent name, unique among connected peers (include something
             that changes when the process restarts, e.g. the arena nonce).
-        listen_port: None: no listener (connect only by metadata bytes); 0: a free
-            port; else that port. Peers connecting by card need a listener on both sides.
-        host: the address other hosts reach this one at (default: the outward interface).
+        host: this host's address on the network other hosts reach; UCX uses only
+            the interface that has it (default: the outward interface). "*": every
+            interface (UCX's own default).
+        export_bytes: size of the export window (0: none; this peer cannot be read).
+        export_block_bytes: its block size (default: the arena's).
+        register_arena: register the arena as the local end of reads (a peer that
+            only exports passes False: then NIXL cannot touch the arena at all).
+        tcp_port_range: (first, last) port for UCX's TCP listener (default: the OS picks).
         backends: NIXL backends to create.
     """
 
@@ -262,159 +304,115 @@ class ArenaPeer:
         arena: Any,
         name: str,
         *,
-        listen_port: int | None = None,
         host: str | None = None,
+        export_bytes: int = 0,
+        export_block_bytes: int | None = None,
+        register_arena: bool = True,
+        tcp_port_range: tuple[int, int] | None = None,
         backends: Sequence[str] = ("UCX",),
     ) -> None:
         api = load_nixl()
         if arena.closed or arena.host is None:
             raise RemotePeerError(f"ArenaPeer({name!r}): {arena!r} is closed: open it first")
         self.arena, self.name = arena, name
-        self.port = None if listen_port is None else (listen_port or _free_port())
-        self.host = host or (_local_ip() if self.port is not None else None)
+        self._remotes: dict[str, PeerCard] = {}
+        self._live: set[PullHandle] = set()  # posted and not settled
+        self._reg = self._window_reg = None
+        self.window: ExportWindow | None = None
+        self._agent = None
+        self.host = host or _outward_ip()
+        # UCX settings, NIXL's "engine_config" (key=value, comma-separated; an operator's
+        # UCX_* environment wins). No SysV shared memory: its segments are mode 0660, so
+        # the process's group could attach them (posix shm and CMA stay: owner only).
+        ucx = ["TLS=^sysv"]
+        devices = None if self.host == "*" else ",".join([interface_of(self.host), *rdma_ports()])
+        if tcp_port_range is not None:
+            ucx.append(f"TCP_PORT_RANGE={tcp_port_range[0]}-{tcp_port_range[1]}")
         config = api.nixl_agent_config(
             enable_prog_thread=True,
-            enable_listen_thread=self.port is not None,
-            listen_port=self.port or 0,
-            backends=list(backends),
+            enable_listen_thread=False,  # no metadata service: nothing answers a stranger
+            backends=[],
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # callable from any thread
         )
-        self._agent = api.nixl_agent(name, config)
-        missing = [b for b in backends if b not in self._agent.backends]
-        if missing:
-            raise RemotePeerError(
-                f"ArenaPeer({name!r}): NIXL has no {missing} backend here (plugins: "
-                f"{self._agent.get_plugin_list()}): pick one of those"
-            )
+        agent = api.nixl_agent(name, config)
+        for backend in backends:
+            if backend not in agent.get_plugin_list():
+                raise RemotePeerError(
+                    f"ArenaPeer({name!r}): NIXL has no {backend!r} backend here (plugins: "
+                    f"{agent.get_plugin_list()}): pick one of those"
+                )
+            params = {"engine_config": ",".join(ucx)} if backend == "UCX" else {}
+            try:
+                with _net_devices(devices if backend == "UCX" else None):
+                    agent.create_backend(backend, params)
+            except Exception as exc:
+                raise RemotePeerError(
+                    f"ArenaPeer({name!r}): NIXL could not start its {backend} backend with "
+                    f"{params} ({exc!r}): check nixl.host is an address of this host"
+                ) from None
+        self._agent = agent
+        self._backends = list(backends)
         self.base = arena.host.data_ptr()
-        self._reg = self._agent.register_memory([(self.base, arena.nbytes, 0, "")], "DRAM")
-        self._remotes: dict[str, PeerCard] = {}
-        self._connecting: dict[str, PeerCard] = {}  # begin_connect, metadata not here yet
-        self._live: set[PullHandle] = set()  # posted and not settled
+        if register_arena:
+            self._reg = self._agent.register_memory([(self.base, arena.nbytes, 0, "")], "DRAM")
+        if export_bytes:
+            self.window = ExportWindow(export_bytes, export_block_bytes or arena.block_bytes)
+            self._window_reg = self._agent.register_memory(
+                [(self.window.base, self.window.nbytes, 0, "")], "DRAM"
+            )
 
     def card(self) -> PeerCard:
-        """This peer's card, for consumers (``card().to_dict()`` is JSON)."""
-        return PeerCard(
-            self.name, self.host, self.port, self.base,
-            self.arena.block_bytes, self.arena.num_blocks,
-        )  # fmt: skip
-
-    @property
-    def address(self) -> tuple[str, int] | None:
-        """(host, port) of this peer's NIXL listener, None without one."""
-        return None if self.port is None else (self.host, self.port)
+        """The geometry of this peer's export window (raises without one)."""
+        if self.window is None:
+            raise RemotePeerError(
+                f"{self.name!r} has no export window, so nothing of it can be read: create "
+                "it with export_bytes > 0 to announce items"
+            )
+        w = self.window
+        return PeerCard(self.name, w.base, w.block_bytes, w.num_blocks)
 
     def metadata(self) -> bytes:
-        """Card and NIXL agent metadata in one blob, for :meth:`connect` without a listener."""
+        """Card and NIXL metadata of the export window's registration only (plus UCX's
+        connection info), in one blob for :meth:`connect`. The arena's registration,
+        if any, is not in it: no remote agent can name the arena."""
         card = json.dumps(self.card().to_dict()).encode()
-        return _MAGIC + _LEN.pack(len(card)) + card + self._agent.get_agent_metadata()
+        md = self._agent.get_partial_agent_metadata(self._window_reg, True, self._backends)
+        return _MAGIC + _LEN.pack(len(card)) + card + md
 
     @property
     def remotes(self) -> dict[str, PeerCard]:
         return dict(self._remotes)
 
-    def connect(
-        self, peer: bytes | PeerCard | Mapping[str, Any], *, timeout_s: float = 10.0
-    ) -> str:
-        """Make a remote peer readable; returns its name. ``peer``: its :meth:`metadata`
-        bytes, or its card (fetched through both listeners, waiting up to ``timeout_s``).
+    def connect(self, peer: bytes) -> str:
+        """Make a remote peer readable from its :meth:`metadata` bytes; returns its name.
+        Local work only (no network round trip: UCX connects on the first read).
         Connecting again with the same card does nothing; a changed card reconnects."""
-        md = None
-        if isinstance(peer, (bytes, bytearray, memoryview)):
-            blob = bytes(peer)
-            if not blob.startswith(_MAGIC) or len(blob) < len(_MAGIC) + _LEN.size:
-                raise RemotePeerError(
-                    f"connect: {len(blob)} bytes that are not ArenaPeer.metadata() output "
-                    f"(they start {blob[:16]!r}): pass what the remote's metadata() returned"
-                )
-            (n,) = _LEN.unpack_from(blob, len(_MAGIC))
-            head = len(_MAGIC) + _LEN.size
-            card = PeerCard.from_dict(json.loads(blob[head : head + n]))
-            md = blob[head + n :]
-        else:
-            card = peer if isinstance(peer, PeerCard) else PeerCard.from_dict(peer)
+        blob = bytes(peer) if isinstance(peer, (bytes, bytearray, memoryview)) else b""
+        card, md = split_metadata(blob)
         if self._remotes.get(card.name) == card:
             return card.name
         if card.name in self._remotes:
             self.disconnect(card.name)
-        if md is not None:
-            try:
-                got = self._agent.add_remote_agent(md)
-            except Exception as exc:
-                raise RemotePeerError(
-                    f"connect({card.name!r}): NIXL refused its metadata ({exc!r}): the remote "
-                    "may run another NIXL version or backend set"
-                ) from None
-            got = got.decode() if isinstance(got, bytes) else str(got)
-            if got != card.name:
-                raise RemotePeerError(
-                    f"connect: the metadata names agent {got!r}, its card {card.name!r}: "
-                    "the blob was altered or assembled by hand"
-                )
-        else:
-            self._fetch(card, timeout_s)
+        try:
+            got = self._agent.add_remote_agent(md)
+        except Exception as exc:
+            raise RemotePeerError(
+                f"connect({card.name!r}): NIXL refused its metadata ({exc!r}): the remote "
+                "may run another NIXL version or backend set"
+            ) from None
+        got = got.decode() if isinstance(got, bytes) else str(got)
+        if got != card.name:
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(got)
+            raise RemotePeerError(
+                f"connect: the metadata names agent {got!r}, its card {card.name!r}: "
+                "the blob was altered or assembled by hand"
+            )
         self._remotes[card.name] = card
         return card.name
 
-    def _check_listeners(self, card: PeerCard) -> None:
-        if card.host is None or card.port is None:
-            raise RemotePeerError(
-                f"connect({card.name!r}): its card has no listener address: pass its "
-                "metadata() bytes instead, or create it with listen_port"
-            )
-        if self.port is None:
-            raise RemotePeerError(
-                f"connect({card.name!r}) by address: NIXL answers to this peer's own listener, "
-                f"and {self.name!r} has none: create it with listen_port=0 (or a port)"
-            )
-
-    def _fetch(self, card: PeerCard, timeout_s: float) -> None:
-        self._check_listeners(card)
-        self._agent.fetch_remote_metadata(card.name, card.host, card.port)
-        deadline = time.monotonic() + timeout_s
-        delay = 0.001
-        while not self._agent.check_remote_metadata(card.name):
-            if time.monotonic() >= deadline:
-                raise RemotePeerError(
-                    f"connect({card.name!r}): no metadata from {card.host}:{card.port} within "
-                    f"{timeout_s} s: check the peer runs and listens there, and that this "
-                    f"host's listener ({self.host}:{self.port}) is reachable from it"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-    def begin_connect(self, peer: PeerCard | Mapping[str, Any]) -> str:
-        """Start connecting by card without waiting (a scheduler must never block);
-        returns the remote's name: poll :meth:`connect_done` until True. Already
-        connected with this card: nothing to do; a changed card reconnects."""
-        card = peer if isinstance(peer, PeerCard) else PeerCard.from_dict(peer)
-        if self._remotes.get(card.name) == card:
-            return card.name
-        if card.name in self._remotes:
-            self.disconnect(card.name)
-        if self._connecting.get(card.name) == card:
-            return card.name
-        self._check_listeners(card)
-        self._agent.fetch_remote_metadata(card.name, card.host, card.port)
-        self._connecting[card.name] = card
-        return card.name
-
-    def connect_done(self, name: str) -> bool:
-        """Non-blocking: whether :meth:`begin_connect`'s remote ``name`` is readable now."""
-        if name in self._remotes:
-            return True
-        card = self._connecting.get(name)
-        if card is None:
-            raise RemotePeerError(f"connect_done({name!r}): begin_connect(card) it first")
-        if not self._agent.check_remote_metadata(name):
-            return False
-        del self._connecting[name]
-        self._remotes[name] = card
-        return True
-
     def disconnect(self, name: str) -> None:
         """Forget a remote peer; its transfers still pending end "error" (see ``settled``)."""
-        self._connecting.pop(name, None)
         if self._remotes.pop(name, None) is None:
             return
         for h in list(self._live):
@@ -576,7 +574,8 @@ class ArenaPeer:
         return self._agent is None
 
     def close(self) -> None:
-        """Abandon transfers, forget remotes, deregister the arena, destroy the agent.
+        """Abandon transfers, forget remotes, deregister the arena and the window,
+        destroy the agent, unmap the window.
         Idempotent; close before the arena."""
         if self._agent is None:
             return
@@ -587,9 +586,13 @@ class ArenaPeer:
         for name in list(self._remotes):
             self.disconnect(name)
         try:
-            self._agent.deregister_memory(self._reg)
+            for reg in (self._reg, self._window_reg):
+                if reg is not None:
+                    self._agent.deregister_memory(reg)
         finally:
             self._agent = None
+            if self.window is not None:
+                self.window.close()
 
     def __enter__(self) -> ArenaPeer:
         return self

@@ -1,9 +1,11 @@
 """A producer process for tests/test_remote.py and :mod:`.bench_remote`.
 
 Creates an arena (its name unlinked at once: a SIGKILL leaves no file), fills
-its data area with seeded bytes (``fill_arena``), serves it through an
-ArenaPeer listening on a free port, prints ``CARD <json>`` and then one
-``NOTIF <agent> <hex message>`` line per notification, until stdin closes.
+its data area with seeded bytes (``fill_arena``), copies the whole data area
+into an ArenaPeer's export window (one slot: window blocks = arena blocks; the
+arena itself is not registered), prints ``META <base64 of peer.metadata()>``
+and then one ``NOTIF <agent> <hex message>`` line per notification, until stdin
+closes.
 NIXL logs to stdout too: readers look for the prefixes.
 
     python -m ecoffload.profiling.remote_producer DIR NAME BLOCK_BYTES NUM_BLOCKS SEED
@@ -11,7 +13,7 @@ NIXL logs to stdout too: readers look for the prefixes.
 A negative SEED leaves the arena zeroed.
 """
 
-import json
+import base64
 import os
 import select
 import sys
@@ -37,8 +39,11 @@ def serve(directory: str, name: str, block_bytes: int, num_blocks: int, seed: in
                          directory=directory, processes=1, register_cuda="never")  # fmt: skip
     if seed >= 0:  # else leave the zeros (benchmarks and kill tests need no contents)
         fill_arena(arena.host, seed)
-    peer = ArenaPeer(arena, f"producer-{os.getpid()}", listen_port=0, host="127.0.0.1")
-    print("CARD " + json.dumps(peer.card().to_dict()), flush=True)
+    peer = ArenaPeer(arena, f"producer-{os.getpid()}", host="127.0.0.1",
+                     export_bytes=arena.nbytes, register_arena=False)  # fmt: skip
+    slot = peer.window.put(arena.host.numpy(), [(0, num_blocks)], block_bytes, arena.nbytes)
+    assert slot == [(0, num_blocks)], slot  # an empty window: the one slot is all of it
+    print("META " + base64.b64encode(peer.metadata()).decode(), flush=True)
     while True:
         for agent, msg in peer.notifications():
             print(f"NOTIF {agent} {msg.hex()}", flush=True)

@@ -13,7 +13,6 @@ configuration and the refusal tests run (CI installs it: ``ecoffload[nixl]``).
 import json
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -35,15 +34,17 @@ from vllm_harness import (
 
 from ecoffload.connector.config import NixlConfig
 from ecoffload.connector.shared_arena import default_arena_name
+from ecoffload.connector.transfer_params import pack_peer
 from ecoffload.engine import remote
+from ecoffload.engine.arena import Arena
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import ConfigError, NixlNotInstalledError
-from ecoffload.engine.remote import nixl_available
+from ecoffload.engine.remote import ArenaPeer, nixl_available
 
 needs_nixl = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"
 )
-NIXL = {"listen_port": 0, "host": "127.0.0.1", "lease_s": 30, "timeout_s": 10}
+NIXL = {"host": "127.0.0.1", "window_bytes": "4MiB", "lease_s": 30, "timeout_s": 10}
 ROWS = {"one-row": 1, "odd": 33, "block-minus": 31, "many-blocks": 300}  # 128 bytes a row
 
 
@@ -84,6 +85,21 @@ def pins(sched, key):
     return sched.side.catalog.entry(key).pins
 
 
+def leased_blocks(sched):
+    """Blocks of the producer's export window held by live leases."""
+    window = sched.side.peer.window
+    return window.num_blocks - window.free_blocks
+
+
+def wait_leases_end(sched, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while leased_blocks(sched):  # the consumer's notification
+        assert time.monotonic() < deadline, "the producer never released its lease"
+        step(sched)
+        time.sleep(0.005)
+    assert not sched.side.peer.window.data.any()  # released slots are zeroed
+
+
 @pytest.fixture
 def hosts(arena_dir, model_config):
     """(producer pair, consumer pair) on two arenas: 4 KiB and 8 KiB blocks."""
@@ -112,7 +128,8 @@ def test_a_request_s_items_are_pulled_in_one_read_and_load_bit_exactly(hosts):
     done, params = psched.request_finished(produce(psched, pworker, "p1", images))
     assert done is False  # never delays KV freeing
     assert sorted(params["items"]) == sorted(k for k, _, _ in images)
-    assert all(pins(psched, k) == 1 for k, _, _ in images)  # leased
+    assert all(pins(psched, k) == 0 for k, _, _ in images)  # copied: the arena keeps no pin
+    assert leased_blocks(psched) > 0
     request = consumer_request("c1", images, params)
     reads = []
     peer = csched.side.peer
@@ -131,11 +148,7 @@ def test_a_request_s_items_are_pulled_in_one_read_and_load_bit_exactly(hosts):
     assert stats["remote_items_pulled"] == len(images)
     assert stats["remote_bytes_pulled"] == sum(rows * HIDDEN * 2 for _, rows, _ in images)
     assert stats["remote_pull_failures"] == stats["remote_fallbacks"] == 0
-    deadline = time.monotonic() + 10
-    while any(pins(psched, k) for k, _, _ in images):  # the consumer's notification
-        assert time.monotonic() < deadline, "the producer never released its lease"
-        step(psched)
-        time.sleep(0.005)
+    wait_leases_end(psched)
     assert psched.side.remote_producer.leases == 0
     assert psched.side.stats()["remote_leases_expired"] == 0
 
@@ -158,16 +171,17 @@ def test_a_request_that_finishes_while_its_pull_runs_leaves_no_pull_state(hosts)
 
 
 @needs_nixl
-def test_an_expired_lease_unpins_without_any_consumer(hosts):
+def test_an_expired_lease_ends_without_any_consumer(hosts):
     (psched, pworker), _ = hosts(producer_extra={"lease_s": 0.2})
     _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
-    assert params is not None and pins(psched, "img") == 1
+    assert params is not None and leased_blocks(psched) == 1
     step(psched)
-    assert pins(psched, "img") == 1  # not yet
+    assert leased_blocks(psched) == 1  # not yet
     deadline = time.monotonic() + 5
-    while pins(psched, "img"):  # no step: an idle engine's leases end too (the lease thread)
+    while leased_blocks(psched):  # no step: an idle engine's leases end too (the lease thread)
         assert time.monotonic() < deadline, "the lease outlived lease_s"
         time.sleep(0.02)
+    assert not psched.side.peer.window.data.any()
     assert psched.side.remote_producer.leases == 0
     assert psched.side.stats()["remote_leases_expired"] == 1
 
@@ -182,7 +196,7 @@ def test_an_item_still_being_written_is_never_announced(hosts):
     assert psched.side.catalog.state("writing") is ItemState.WRITING
     _, params = psched.request_finished(request)
     assert list(params["items"]) == ["ready"]
-    assert pins(psched, "writing") == 0
+    assert pins(psched, "writing") == 0 and pins(psched, "ready") == 0
     assert psched.request_finished(make_request("p2", [("writing", 7)])) == (False, None)
 
 
@@ -245,12 +259,12 @@ def test_two_requests_for_one_item_share_one_pull(hosts):
 
 
 @needs_nixl
-def test_bytes_changed_under_the_lease_fail_the_crc_and_are_never_served(hosts):
+def test_bytes_changed_in_the_window_fail_the_crc_and_are_never_served(hosts):
     (psched, pworker), (csched, _) = hosts()
     _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 40, 3)]))
     start = params["items"]["img"]["extents"][0][0]
-    arena = psched.side.arena
-    arena.host[start * arena.block_bytes + 100] ^= 0xFF  # e.g. evicted and reused meanwhile
+    window = psched.side.peer.window
+    window.data[start * window.block_bytes + 100] ^= 0xFF  # e.g. a params holder wrote there
     request = consumer_request("c1", [("img", 40, 3)], params)
     assert admit(csched, request)[0]
     assert csched.side.catalog.state("img") is None  # not published, reservation aborted
@@ -262,28 +276,13 @@ def test_bytes_changed_under_the_lease_fail_the_crc_and_are_never_served(hosts):
 GARBLED = {
     "not-a-dict": "hello",
     "foreign-format": {"img": {"peer_host": "10.0.0.1", "peer_port": 1}},
-    "no-items": {"ecoffload": 1, "peer": {"name": "p"}},
-    "bad-card": {
-        "ecoffload": 1,
-        "peer": {"name": "p", "base": -1},
-        "notify": "n",
-        "expires_at": 0,
-        "items": {},
-    },  # fmt: skip
-    "item-not-a-dict": {
-        "ecoffload": 1,
-        "peer": {
-            "name": "p",
-            "host": None,
-            "port": None,
-            "base": 4096,
-            "block_bytes": 4096,
-            "num_blocks": 1,
-        },
-        "notify": "n",
-        "expires_at": 0,
-        "items": {"img": [1, 2]},
-    },  # fmt: skip
+    "format-1": {"ecoffload": 1, "peer": {"name": "p", "host": "10.0.0.1", "port": 1}},
+    "no-items": {"ecoffload": 2, "peer": "eJxzdfZ3c/Pxd3QBAAycAoQ="},
+    "peer-not-base64": "peer-not-base64",  # these: a real announcement, altered below
+    "peer-not-metadata": "peer-not-metadata",
+    "peer-a-bomb": "peer-a-bomb",
+    "item-not-a-dict": "item-not-a-dict",
+    "no-crc": "no-crc",
     "bad-extents": "bad-extents",  # filled from a real announcement below
     "wrong-rows": "wrong-rows",
     "other-model": "other-model",
@@ -293,11 +292,22 @@ GARBLED = {
 
 @needs_nixl
 @pytest.mark.parametrize("case", GARBLED, ids=GARBLED)
-def test_garbled_or_unusable_params_fall_back_to_local_encoding(hosts, case):
+def test_garbled_or_unusable_params_fall_back_to_local_encoding(hosts, arena_dir, case):
     (psched, pworker), (csched, cworker) = hosts(consumer_extra={"timeout_s": 1})
     _, real = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
     params = GARBLED[case]
-    if case == "bad-extents":
+    if case == "peer-not-base64":
+        params = {**real, "peer": "not base64!"}
+    elif case == "peer-a-bomb":
+        params = {**real, "peer": pack_peer(bytes(1 << 20))}
+    elif case == "peer-not-metadata":
+        params = {**real, "peer": pack_peer(b"ECOFFLOAD-PEER\x01garbage")}
+    elif case == "item-not-a-dict":
+        params = {**real, "items": {"img": [1, 2]}}
+    elif case == "no-crc":
+        params = json.loads(json.dumps(real))
+        del params["items"]["img"]["crc32"]
+    elif case == "bad-extents":
         params = json.loads(json.dumps(real))
         params["items"]["img"]["extents"] = [[10**6, 2]]
     elif case == "wrong-rows":
@@ -306,21 +316,19 @@ def test_garbled_or_unusable_params_fall_back_to_local_encoding(hosts, case):
     elif case == "other-model":
         params = json.loads(json.dumps(real))
         params["layout"] = "ecoffload-0123456789ab"
-    elif case == "unreachable-peer":
+    elif case == "unreachable-peer":  # a producer that has gone since it announced
         params = json.loads(json.dumps(real))
-        with socket.socket() as s:  # a port nothing listens on
-            s.bind(("127.0.0.1", 0))
-            params["peer"].update(name="gone", port=s.getsockname()[1])
+        arena = Arena.create("gone", block_bytes=4096, num_blocks=4, directory=arena_dir,
+                             register_cuda="never")  # fmt: skip
+        with arena, ArenaPeer(arena, "gone", host="127.0.0.1", export_bytes=4096,
+                              register_arena=False) as gone:  # fmt: skip
+            params["peer"] = pack_peer(gone.metadata())
     request = make_request("c1", [("img", 5)])
     request.ec_transfer_params = params
     t0 = time.monotonic()
     assert admit(csched, request, timeout_s=15)[0]  # admitted: it encodes the item itself
     assert time.monotonic() - t0 < 5
     assert request.ec_transfer_params is None
-    if case == "unreachable-peer":  # the next request naming it falls back at once
-        again = make_request("c2", [("img", 5)])
-        again.ec_transfer_params = params
-        assert csched.ensure_cache_available(again, 0) is True
     assert csched.side.catalog.state("img") is None  # nothing reserved is left behind
     assert schedule(csched, request) == [False]  # a miss: vLLM runs the encoder
     stats = csched.side.stats()
@@ -334,7 +342,7 @@ def test_a_request_without_its_input_is_reported_unavailable(hosts):
     (psched, pworker), (csched, _) = hosts()
     request = make_request("c1", [("img", 5)])
     request.mm_features[0].data = None  # placeholders only: nothing to encode locally
-    request.ec_transfer_params = {"ecoffload": 1, "garbled": True}
+    request.ec_transfer_params = {"ecoffload": 2, "garbled": True}
     assert csched.ensure_cache_available(request, 0) is False
     assert csched.take_unavailable_requests() == {"c1"}  # vLLM aborts it
     assert csched.take_unavailable_requests() == set()  # reported once
@@ -351,11 +359,7 @@ def test_no_local_room_encodes_locally_and_releases_the_lease(hosts):
     stats = csched.side.stats()
     assert stats["remote_pulls_skipped_no_room"] == 1 and stats["remote_fallbacks"] == 1
     assert csched.side.catalog.state("img") is None
-    deadline = time.monotonic() + 10
-    while pins(psched, "img"):  # an empty read still notifies the producer
-        assert time.monotonic() < deadline
-        step(psched)
-        time.sleep(0.005)
+    wait_leases_end(psched)  # an empty read still notifies the producer
     for i in range(4):
         csched.side.catalog.abort(f"f{i}")
 
@@ -375,12 +379,13 @@ def test_a_producer_killed_mid_pull_falls_back_and_leaks_nothing(
                          nixl={**NIXL, "timeout_s": 60})  # fmt: skip
     csched, cworker = make_pair(config)
     try:
-        params = {"ecoffload": 1, "layout": default_arena_name(config), "peer": card,
+        params = {"ecoffload": 2, "layout": default_arena_name(config),
+                  "peer": pack_peer(card),
                   "lease_s": 60, "expires_at": time.time() + 60,
                   "notify": "ecoffload:1:x",
                   "items": {"big": {"extents": [[0, 256]], "nbytes": 256 << 20,
                                     "dtype": "bfloat16", "shape": [rows, width],
-                                    "generation": 1, "crc32": None}}}  # fmt: skip
+                                    "crc32": 0}}}  # fmt: skip
         request = make_request("c1", [("big", rows)])
         request.ec_transfer_params = params
         assert csched.ensure_cache_available(request, 0) is False
@@ -411,20 +416,73 @@ def test_a_producer_killed_mid_pull_falls_back_and_leaks_nothing(
     assert os.listdir(arena_dir) == []
 
 
+@needs_nixl
+@pytest.mark.slow
+def test_a_timed_out_pull_keeps_its_blocks_reserved_until_nixl_settles_it(
+    arena_dir, model_config, monkeypatch
+):
+    """The pull gives up (its deadline) while NIXL still writes into its blocks: they
+    stay reserved (WRITING: nobody else gets them) until the handle is settled."""
+    from test_remote import start_producer, stop_producer
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # a 256 MiB read takes far longer than the deadline
+    proc, meta = start_producer(arena_dir, 1 << 20, 256, seed=-1)
+    rows, width = 1024, 128 * 1024  # bf16: 256 MiB
+    config = make_config(arena_dir, "ec_consumer", model_config, arena_name="host-b",
+                         arena_bytes="260MiB", block_bytes="1MiB", populate="lazy",
+                         nixl={**NIXL, "timeout_s": 0.05})  # fmt: skip
+    csched, cworker = make_pair(config)
+    try:
+        params = {"ecoffload": 2, "layout": default_arena_name(config),
+                  "peer": pack_peer(meta), "lease_s": 60,
+                  "expires_at": time.time() + 60, "notify": "ecoffload:1:x",
+                  "items": {"big": {"extents": [[0, 256]], "nbytes": 256 << 20,
+                                    "dtype": "bfloat16", "shape": [rows, width],
+                                    "crc32": 0}}}  # fmt: skip
+        request = make_request("c1", [("big", rows)])
+        request.ec_transfer_params = params
+        assert csched.ensure_cache_available(request, 0) is False
+        handle = csched.side.remote_consumer._pulls["c1"].handle
+        assert admit(csched, request, timeout_s=20)[0]  # gave up: it encodes locally
+        assert handle.state == "error" and "timed out" in handle.error
+        unsettled_seen = 0
+        deadline = time.monotonic() + 60
+        while not handle.settled:
+            assert csched.side.catalog.state("big") is ItemState.WRITING  # still reserved
+            unsettled_seen += 1
+            assert time.monotonic() < deadline, "NIXL never settled the transfer"
+            step(csched)
+            time.sleep(0.01)
+        assert unsettled_seen > 0  # the read was still in flight when the pull gave up
+        step(csched)
+        assert csched.side.catalog.state("big") is None  # aborted once settled
+        assert not csched.side.remote_consumer.busy
+        csched.side.catalog.check()
+    finally:
+        stop_producer(proc)
+        cworker.shutdown()
+        csched.shutdown()
+
+
 @pytest.mark.parametrize(
     "value,match",
     [
         ("yes", "must be a dict"),
         ({"port": 1}, "unknown nixl key"),
-        ({"listen_port": 70000}, "listen_port"),
-        ({"listen_port": True}, "listen_port"),
+        ({"listen_port": 0}, "listen_port is gone"),
+        ({"tcp_port_range": [70000, 70001]}, "tcp_port_range"),
+        ({"tcp_port_range": [True, 2]}, "tcp_port_range"),
+        ({"tcp_port_range": [5, 4]}, "tcp_port_range"),
+        ({"window_bytes": "lots"}, "window_bytes"),
+        ({"window_bytes": 100}, "window_bytes"),
         ({"backends": []}, "backends"),
         ({"backends": "UCX"}, "backends"),
         ({"lease_s": 0}, "lease_s"),
         ({"timeout_s": "10"}, "timeout_s"),
         ({"host": ""}, "host"),
     ],
-    ids=["not-a-dict", "unknown-key", "port-range", "port-bool", "no-backends",
+    ids=["not-a-dict", "unknown-key", "listen-port-gone", "port-range", "port-bool",
+         "ports-reversed", "window-garbage", "window-tiny", "no-backends",
          "backends-string", "zero-lease", "timeout-string", "empty-host"],
 )  # fmt: skip
 def test_bad_nixl_config_is_refused_at_start_up(arena_dir, value, match):
@@ -440,7 +498,10 @@ def test_bad_nixl_config_is_refused_at_start_up(arena_dir, value, match):
 
 def test_defaults_and_disabled():
     assert NixlConfig.from_value(None) is None
-    assert NixlConfig.from_value({}) == NixlConfig(0, None, ("UCX",), 30.0, 30.0)
+    assert NixlConfig.from_value({}) == NixlConfig(None, None, 256 << 20, ("UCX",), 30.0, 30.0)
+    assert NixlConfig.from_value({"tcp_port_range": [5000, 5009], "window_bytes": "1MiB"}) == (
+        NixlConfig(None, (5000, 5009), 1 << 20, ("UCX",), 30.0, 30.0)
+    )
 
 
 def test_missing_nixl_names_the_extra_and_leaves_no_arena(arena_dir, model_config, monkeypatch):

@@ -27,7 +27,7 @@ pytestmark = [
 ]
 IMAGES = vllm_scenario.DEFAULT_IMAGES
 ORDER = list(range(IMAGES))
-NIXL = {"host": "127.0.0.1", "listen_port": 0, "lease_s": 120, "timeout_s": 60}
+NIXL = {"host": "127.0.0.1", "lease_s": 900, "timeout_s": 60}  # instances start slowly when loaded
 
 
 @pytest.fixture(scope="module")

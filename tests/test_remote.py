@@ -10,6 +10,7 @@ process, and a producer process over 127.0.0.1. A producer SIGKILLed mid-read
 must give "error" within a bound and leave no arena file behind.
 """
 
+import base64
 import json
 import os
 import random
@@ -120,7 +121,7 @@ def test_missing_nixl_says_what_to_install(monkeypatch):
 
 
 def test_card_round_trips_through_json_and_refuses_garbage():
-    card = PeerCard("p", "127.0.0.1", 5555, 1 << 40, 4096, 16)
+    card = PeerCard("p", 1 << 40, 4096, 16)
     assert PeerCard.from_dict(json.loads(json.dumps(card.to_dict()))) == card
     with pytest.raises(RemotePeerError, match="malformed"):
         PeerCard.from_dict({"name": "p"})
@@ -142,6 +143,16 @@ def arenas(arena_dir):
     dst.close()
 
 
+def exporting(src, name="prod", **kw):
+    """A producer peer whose export window holds a copy of all of ``src`` (window
+    block i = arena block i, so pulls name arena blocks); the arena is not registered."""
+    peer = ArenaPeer(src, name, host="127.0.0.1", export_bytes=src.nbytes,
+                     register_arena=False, **kw)  # fmt: skip
+    slot = peer.window.put(src.host.numpy(), [(0, src.num_blocks)], src.block_bytes, src.nbytes)
+    assert slot == [(0, src.num_blocks)]
+    return peer
+
+
 def wait_notif(peer, timeout_s=10.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -153,14 +164,11 @@ def wait_notif(peer, timeout_s=10.0):
 
 
 @needs_nixl
-@pytest.mark.parametrize("how", ["metadata", "listener"])
-def test_one_read_moves_a_fragmented_request_bit_exactly(arenas, how):
+def test_one_read_moves_a_fragmented_request_bit_exactly(arenas):
     src, dst = arenas
-    listen = 0 if how == "listener" else None
-    with ArenaPeer(src, "prod", listen_port=listen, host="127.0.0.1") as prod, \
-            ArenaPeer(dst, "cons", listen_port=listen, host="127.0.0.1") as cons:  # fmt: skip
-        name = cons.connect(prod.metadata() if how == "metadata" else prod.card().to_dict())
-        assert name == "prod" and cons.connect(prod.card()) == "prod"  # same card: no-op
+    with exporting(src) as prod, ArenaPeer(dst, "cons", host="127.0.0.1") as cons:
+        name = cons.connect(prod.metadata())
+        assert name == "prod" and cons.connect(prod.metadata()) == "prod"  # same card: no-op
         pulls = plan(1, SIZES["mixed-request"], 4096, 64, 8192, 48)
         h = cons.read(name, pulls, notify=b"req-1")
         assert cons.wait(h, timeout_s=30) == "done", h.error
@@ -172,33 +180,9 @@ def test_one_read_moves_a_fragmented_request_bit_exactly(arenas, how):
 
 
 @needs_nixl
-def test_connecting_without_waiting(arenas):
-    src, dst = arenas
-    with ArenaPeer(src, "prod", listen_port=0, host="127.0.0.1") as prod, \
-            ArenaPeer(dst, "cons", listen_port=0, host="127.0.0.1") as cons:  # fmt: skip
-        t0 = time.monotonic()
-        assert cons.begin_connect(prod.card().to_dict()) == "prod"
-        assert time.monotonic() - t0 < 1.0  # returns at once
-        assert cons.begin_connect(prod.card()) == "prod"  # already under way: nothing new
-        deadline = time.monotonic() + 10
-        while not cons.connect_done("prod"):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        assert cons.begin_connect(prod.card()) == "prod" and "prod" in cons.remotes
-        (p,) = plan(4, [5000], 4096, 64, 8192, 48)
-        h = cons.read("prod", [p])
-        assert cons.wait(h, 30) == "done", h.error
-        assert torch.equal(dst.host, expected_after(src.host, dst.nbytes, [p], 4096, 8192))
-        with pytest.raises(RemotePeerError, match="begin_connect"):
-            cons.connect_done("nobody")
-    with ArenaPeer(dst, "quiet") as quiet, pytest.raises(RemotePeerError, match="has none"):
-        quiet.begin_connect(PeerCard("x", "127.0.0.1", 1, 1 << 40, 4096, 4))
-
-
-@needs_nixl
 def test_reads_of_odd_sizes_one_by_one(arenas):
     src, dst = arenas
-    with ArenaPeer(src, "prod") as prod, ArenaPeer(dst, "cons") as cons:
+    with exporting(src) as prod, ArenaPeer(dst, "cons", host="127.0.0.1") as cons:
         cons.connect(prod.metadata())
         done = []
         for i, n in enumerate(SIZES["mixed-request"]):
@@ -218,7 +202,7 @@ def test_reads_of_odd_sizes_one_by_one(arenas):
 @needs_nixl
 def test_empty_read_only_notifies(arenas):
     src, dst = arenas
-    with ArenaPeer(src, "prod") as prod, ArenaPeer(dst, "cons") as cons:
+    with exporting(src) as prod, ArenaPeer(dst, "cons", host="127.0.0.1") as cons:
         cons.connect(prod.metadata())
         h = cons.read("prod", [], notify=b"nothing")
         assert (h.state, h.settled, h.descriptors) == ("done", True, 0)
@@ -229,13 +213,13 @@ def test_empty_read_only_notifies(arenas):
 @needs_nixl
 def test_bad_reads_are_refused_before_anything_moves(arenas):
     src, dst = arenas
-    with ArenaPeer(src, "prod") as prod, ArenaPeer(dst, "cons") as cons:
+    with exporting(src) as prod, ArenaPeer(dst, "cons", host="127.0.0.1") as cons:
         with pytest.raises(RemotePeerError, match="not connected"):
             cons.read("prod", [Pull([(0, 1)], [(0, 1)], 10)])
         with pytest.raises(RemotePeerError, match="not ArenaPeer.metadata"):
             cons.connect(b"garbage")
-        with pytest.raises(RemotePeerError, match="has none"):
-            cons.connect({**prod.card().to_dict(), "host": "127.0.0.1", "port": 1})
+        with pytest.raises(RemotePeerError, match="no export window"):
+            cons.metadata()  # a consumer publishes nothing
         cons.connect(prod.metadata())
         cases = [
             (Pull([(63, 2)], [(0, 1)], 4096), "outside the arena's 64 blocks"),
@@ -263,10 +247,10 @@ def start_producer(arena_dir, block_bytes, num_blocks, seed, env=None):
         env={**os.environ, "PYTHONSAFEPATH": "1", **(env or {})},
     )  # fmt: skip
     for line in proc.stdout:
-        if line.startswith("CARD "):
-            return proc, json.loads(line[5:])
+        if line.startswith("META "):
+            return proc, base64.b64decode(line[5:])
     proc.kill()
-    raise AssertionError(f"producer exited ({proc.wait()}) without a card")
+    raise AssertionError(f"producer exited ({proc.wait()}) without its metadata")
 
 
 def stop_producer(proc):
@@ -285,7 +269,7 @@ def test_cross_process_read_over_loopback(arena_dir):
         with Arena.create("dst", block_bytes=8192, num_blocks=96, directory=arena_dir,
                           register_cuda="never") as dst:  # fmt: skip
             dst.host.fill_(POISON)
-            with ArenaPeer(dst, "cons", listen_port=0, host="127.0.0.1") as cons:
+            with ArenaPeer(dst, "cons", host="127.0.0.1") as cons:
                 name = cons.connect(card)
                 pulls = plan(2, SIZES["mixed-request"] + [300_000], 4096, 256, 8192, 96)
                 h = cons.read(name, pulls, notify=b"req-x")
@@ -310,7 +294,7 @@ def test_killed_producer_gives_error_within_a_bound(arena_dir, monkeypatch, when
     try:
         dst = Arena.create("dst", block_bytes=1 << 20, num_blocks=256, directory=arena_dir,
                            register_cuda="never", populate="lazy")  # fmt: skip
-        with dst, ArenaPeer(dst, "cons", listen_port=0, host="127.0.0.1") as cons:
+        with dst, ArenaPeer(dst, "cons", host="127.0.0.1") as cons:
             name = cons.connect(card)
             pulls = [Pull([(0, 256)], [(0, 256)], 256 << 20)]
             if when == "before-read":
@@ -340,7 +324,7 @@ def test_deadline_gives_error_and_settles_when_the_transfer_ends(arena_dir, monk
     try:
         dst = Arena.create("dst", block_bytes=1 << 20, num_blocks=256, directory=arena_dir,
                            register_cuda="never", populate="lazy")  # fmt: skip
-        with dst, ArenaPeer(dst, "cons", listen_port=0, host="127.0.0.1") as cons:
+        with dst, ArenaPeer(dst, "cons", host="127.0.0.1") as cons:
             name = cons.connect(card)
             h = cons.read(name, [Pull([(0, 256)], [(0, 256)], 256 << 20)], timeout_s=0.0)
             assert cons.poll(h) == "error" and "timed out" in h.error
