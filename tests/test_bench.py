@@ -129,6 +129,10 @@ def test_bench_host_compares_both_paths_on_every_step_and_names_its_planner(caps
                      ratio=2.0 * i) for i in (1, 2) for d in ("save", "load")]  # fmt: skip
 
     monkeypatch.setattr(bench_host, "host_rows", rows)
+    # The real-path rows copy through the interpreted kernel here (minutes): their own
+    # test runs them as a user does, below.
+    for name in ("real_path_rows", "scheduler_rows", "worker_rows"):
+        monkeypatch.setattr(bench_host, name, lambda *args, **kwargs: [])
     assert bench_host.main(["--repeat", "3"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     where = "C pass" if native.planner() else "Python passes"
@@ -164,3 +168,33 @@ def test_the_catalog_a_b_bench_compares_two_checkouts_operation_by_operation(tmp
     ]  # fmt: skip
     for _, b, n, ratios in rows:
         assert b > 0 and n > 0 and len(ratios) == 2 and all(r > 0 for r in ratios)
+
+
+@pytest.mark.slow
+def test_bench_host_real_path_rows_run_through_the_entry_points_users_call(tmp_path):
+    """``python -m ecoffload.profiling.bench_host --real-only`` as a user runs it (CPU copies,
+    no interpreter): a row for each entry point, each catalog and direction, anchors beside
+    the planning rows, and the JSON it writes says the same."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-m", "ecoffload.profiling.bench_host", "--real-only", "--repeat", "2",
+         "--json", str(tmp_path / "rows.json")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    groups = {r["group"] for r in rows}
+    expected = {"OffloadCache (full call, copy included)", "planning the catalog's tables",
+                "connector scheduler hooks per step (shared catalog)",
+                "connector worker hooks per step (vLLM's V1 runner code)"}  # fmt: skip
+    assert expected <= groups, groups
+    planning = [r for r in rows if r["group"] == "planning the catalog's tables"]
+    assert {(r["catalog"], r["direction"]) for r in planning} == {
+        (c, d) for c in ("in-process", "shared") for d in ("save", "load")
+    }
+    assert all(r["now_us"] > 0 and r["before_us"] > 0 and r["ratio"] > 0 for r in planning)
+    assert all(r["now_us"] > 0 for r in rows)
