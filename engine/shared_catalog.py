@@ -335,8 +335,9 @@ class SharedCatalog(
                 self._lru_touch(s, b)
                 if pin:
                     w[H_DIRTY] = self._pid
-                    self._pin_slot(s, key)
-                entry.pins = w[b + S_PINS]
+                    entry.pins = self._pin_slot(s, key)
+                else:
+                    entry.pins = w[b + S_PINS]
         except BaseException as exc:
             self._exit(isinstance(exc, CatalogError))
             raise
