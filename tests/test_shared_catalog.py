@@ -38,6 +38,23 @@ def reopen(path, **layout) -> SharedCatalog:
         os.close(fd)
 
 
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["linked", "rebuilt"])
+def test_a_hit_moves_an_item_behind_newer_ones_even_after_a_rebuild(tmp_path, rebuilt):
+    c = open_shared(tmp_path / "c", 4)
+    for k in "abc":  # slots 0, 1, 2 in use order
+        c.reserve(k, B)
+        c.commit(k)
+    assert c.lookup("b") is not None  # b (after slot 0) to the tail: a, c, b
+    c.check()
+    if rebuilt:  # an updater died inside an update: the order is rebuilt from the use ticks
+        c._w[shared_catalog_format.H_DIRTY] = 1
+        assert c.state("a") is ItemState.READY and c.recoveries == 2  # the format's, this
+    c.reserve("w", 3 * B)  # evicts the two oldest: a, then c
+    assert {k: c.state(k) for k in "abc"} == {"a": None, "b": ItemState.READY, "c": None}
+    c.check()
+    c.close()
+
+
 def test_two_objects_share_items_counters_and_lru(tmp_path):
     a = open_shared(tmp_path / "c", 8)
     b = reopen(tmp_path / "c")
