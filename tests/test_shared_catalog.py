@@ -55,6 +55,19 @@ def test_a_hit_moves_an_item_behind_newer_ones_even_after_a_rebuild(tmp_path, re
     c.close()
 
 
+def test_the_allocator_view_reports_the_longest_free_extent_and_block_counts(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    view = c.allocator
+    assert (view.largest_free_extent, view.blocks_for(B), view.blocks_for(B + 1)) == (8, 1, 2)
+    assert c.reserve("a", 4 * B).extents[0].start == 0
+    c.reserve("b", 4 * B)
+    assert (view.free_blocks, view.largest_free_extent) == (0, 0)  # none free: 0, not 1
+    c.abort("a")
+    assert (view.free_blocks, view.largest_free_extent) == (4, 4)  # the extent at block 0
+    c.check()
+    c.close()
+
+
 def test_two_objects_share_items_counters_and_lru(tmp_path):
     a = open_shared(tmp_path / "c", 8)
     b = reopen(tmp_path / "c")
