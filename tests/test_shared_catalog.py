@@ -68,6 +68,20 @@ def test_the_allocator_view_reports_the_longest_free_extent_and_block_counts(tmp
     c.close()
 
 
+def test_taking_a_class_head_keeps_the_extent_at_block_0_behind_it(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    assert [c.reserve(k, 2 * B).extents[0].start for k in "abcd"] == [0, 2, 4, 6]
+    c.abort("a")
+    c.abort("c")  # class 1 (2-3 blocks): (4, 2) at its head, (0, 2) behind it
+    c.check()
+    assert c.reserve("e", 2 * B).extents[0].start == 4  # the head: (0, 2) heads the class
+    c.check()  # the class's mask bit and (0, 2)'s back link
+    assert c.reserve("f", 2 * B).extents[0].start == 0
+    assert c.allocator.free_blocks == 0
+    c.check()
+    c.close()
+
+
 def test_two_objects_share_items_counters_and_lru(tmp_path):
     a = open_shared(tmp_path / "c", 8)
     b = reopen(tmp_path / "c")
