@@ -41,7 +41,7 @@ CONNECTOR_TESTS = [
     "tests/test_arena_startup.py::test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness",
 ]
 ARENA_MODULES = ("arena", "arena_format", "arena_lifetime", "arena_registration", "populate",
-                 "janitor", "liveness")  # fmt: skip
+                 "janitor")  # fmt: skip
 ARENA_TESTS = [
     "tests/test_arena.py",
     "tests/test_arena_shared.py",
@@ -102,6 +102,8 @@ MODULES: dict[str, list[str]] = {
     # the modules of issue 22's split (arena.py, shared_catalog.py before it)
     **{f"engine/{name}.py": ARENA_TESTS for name in ARENA_MODULES},
     **{f"engine/{name}.py": SHARED_CATALOG_TESTS for name in SHARED_CATALOG_MODULES},
+    # owners' liveness: the arena's creator, the shared catalog's reservations and pins
+    "engine/liveness.py": ARENA_TESTS + SHARED_CATALOG_TESTS,
     "engine/items.py": ["tests/test_catalog.py", "tests/test_integrity.py"],
     "engine/shared_cache.py": ["tests/test_cache.py", "tests/test_connector_contract.py"],
 }

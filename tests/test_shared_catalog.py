@@ -38,6 +38,50 @@ def reopen(path, **layout) -> SharedCatalog:
         os.close(fd)
 
 
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["linked", "rebuilt"])
+def test_a_hit_moves_an_item_behind_newer_ones_even_after_a_rebuild(tmp_path, rebuilt):
+    c = open_shared(tmp_path / "c", 4)
+    for k in "abc":  # slots 0, 1, 2 in use order
+        c.reserve(k, B)
+        c.commit(k)
+    assert c.lookup("b") is not None  # b (after slot 0) to the tail: a, c, b
+    c.check()
+    if rebuilt:  # an updater died inside an update: the order is rebuilt from the use ticks
+        c._w[shared_catalog_format.H_DIRTY] = 1
+        assert c.state("a") is ItemState.READY and c.recoveries == 2  # the format's, this
+    c.reserve("w", 3 * B)  # evicts the two oldest: a, then c
+    assert {k: c.state(k) for k in "abc"} == {"a": None, "b": ItemState.READY, "c": None}
+    c.check()
+    c.close()
+
+
+def test_the_allocator_view_reports_the_longest_free_extent_and_block_counts(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    view = c.allocator
+    assert (view.largest_free_extent, view.blocks_for(B), view.blocks_for(B + 1)) == (8, 1, 2)
+    assert c.reserve("a", 4 * B).extents[0].start == 0
+    c.reserve("b", 4 * B)
+    assert (view.free_blocks, view.largest_free_extent) == (0, 0)  # none free: 0, not 1
+    c.abort("a")
+    assert (view.free_blocks, view.largest_free_extent) == (4, 4)  # the extent at block 0
+    c.check()
+    c.close()
+
+
+def test_taking_a_class_head_keeps_the_extent_at_block_0_behind_it(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    assert [c.reserve(k, 2 * B).extents[0].start for k in "abcd"] == [0, 2, 4, 6]
+    c.abort("a")
+    c.abort("c")  # class 1 (2-3 blocks): (4, 2) at its head, (0, 2) behind it
+    c.check()
+    assert c.reserve("e", 2 * B).extents[0].start == 4  # the head: (0, 2) heads the class
+    c.check()  # the class's mask bit and (0, 2)'s back link
+    assert c.reserve("f", 2 * B).extents[0].start == 0
+    assert c.allocator.free_blocks == 0
+    c.check()
+    c.close()
+
+
 def test_two_objects_share_items_counters_and_lru(tmp_path):
     a = open_shared(tmp_path / "c", 8)
     b = reopen(tmp_path / "c")

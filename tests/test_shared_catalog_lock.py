@@ -15,6 +15,7 @@ import errno
 import multiprocessing as mp
 import os
 import platform
+import re
 import signal
 import threading
 import time
@@ -24,7 +25,7 @@ import pytest
 from test_catalog import B, open_shared
 from test_shared_catalog import reopen
 
-from ecoffload.engine import fault_points, robust_mutex, shared_catalog
+from ecoffload.engine import fault_points, robust_mutex, shared_catalog, shared_catalog_lock
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogLockError
@@ -164,6 +165,65 @@ def test_a_thread_waits_for_another_threads_update(tmp_path, monkeypatch):
     reader.join(10)
     assert seen[0] is not None and seen[0].state is ItemState.READY  # after the commit
     assert c.lock_deaths == 0 and c.recoveries == 1  # the format's only
+    c.check()
+    c.close()
+
+
+class _CountingTimedlock:
+    """robust_mutex.PT_WAIT, counting the timed waits a blocked locker makes."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, 0
+
+    def pthread_mutex_timedlock(self, mx, until):
+        self.calls += 1
+        return self.lib.pthread_mutex_timedlock(mx, until)
+
+
+def _wait_for_a_holder(c, hold_s, caplog):
+    """Another thread holds ``c``'s lock for ``hold_s`` seconds; this one waits for it.
+    The number of warnings logged while the lock was still held."""
+    held, logged = threading.Event(), []
+
+    def holder():
+        c._lock()
+        held.set()
+        time.sleep(hold_s)
+        logged.append(len(caplog.records))
+        c._unlock()
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert held.wait(10)
+    c._lock()  # waits in _lock_slow
+    c._unlock()
+    t.join(10)
+    return logged[0]
+
+
+def test_a_long_wait_for_the_lock_sleeps_in_slices_and_warns_once_naming_the_file(
+    tmp_path, monkeypatch, caplog
+):
+    c = open_shared(tmp_path / "c", 8)
+    waits = _CountingTimedlock(robust_mutex.PT_WAIT)
+    monkeypatch.setattr(robust_mutex, "PT_WAIT", waits)
+    monkeypatch.setattr(shared_catalog_lock, "_WAIT_WARN_S", 1.0)
+    caplog.set_level("WARNING", logger="ecoffload.engine.shared_catalog")
+    _wait_for_a_holder(c, 0.3, caplog)  # shorter than the warning's delay: no warning
+    assert not caplog.records and 1 <= waits.calls <= 4
+    waits.calls = 0
+    # 0.2 s slices (no busy wait), one warning after 1 s, while the lock is still held
+    assert _wait_for_a_holder(c, 2.0, caplog) == 1
+    assert 5 <= waits.calls <= 20, f"{waits.calls} timed waits in 2 s of 0.2 s slices"
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    text = caplog.records[0].getMessage()
+    pattern = (
+        rf"catalog {re.escape(str(c.path))}: waiting (\d+) s for its lock; a process "
+        r"holds it without releasing it \(stopped, or stuck inside an update\?\)"
+    )
+    m = re.fullmatch(pattern, text)
+    assert m and 1 <= int(m[1]) <= 2, text
+    assert c.lock_deaths == 0
     c.check()
     c.close()
 
