@@ -82,6 +82,47 @@ def test_taking_a_class_head_keeps_the_extent_at_block_0_behind_it(tmp_path):
     c.close()
 
 
+def test_pin_records_of_two_processes_on_one_item_come_off_in_any_order(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    for k in "ab":
+        c.reserve(k, B)
+        c.commit(k)
+    c.pin("b")  # record 0
+    c.pin("a")  # record 1
+    c.unpin("b")  # record 0 free again: the child's, before ours in the item's list
+    pinned, done = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            c.pin("a")
+            os.write(pinned[1], b"x")
+            os.read(done[0], 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(pinned[0], 1) == b"x"
+        assert c.lookup("a").pins == 2
+        c.unpin("a")  # found behind the child's record, unlinked from behind it
+        c.check()
+        assert c.lookup("a").pins == 1
+        with pytest.raises(ItemStateError) as err:
+            c.unpin("a")  # none of ours left: the child's is not ours to take
+        assert str(err.value) == (
+            "unpin('a'): the item is not pinned by this process (others hold 1 pin(s)); "
+            "every unpin must match one pin"
+        )
+        c.pin("a")
+        with pytest.raises(ItemStateError, match=r"by this process \(others hold 1 pin\(s\)\)"):
+            c.unpin_many(["a", "a"])  # one of ours, two asked: none taken
+        assert c.lookup("a").pins == 2
+        c.unpin("a")
+        c.check()
+    finally:
+        os.write(done[1], b"x")
+        os.waitpid(pid, 0)
+    c.close()
+
+
 def test_two_objects_share_items_counters_and_lru(tmp_path):
     a = open_shared(tmp_path / "c", 8)
     b = reopen(tmp_path / "c")
