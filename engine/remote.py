@@ -68,56 +68,26 @@ this module works without it, creating a peer raises
 
 from __future__ import annotations
 
-import array
 import contextlib
-import fcntl
-import glob
-import importlib
 import json
-import os
-import socket
 import struct
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from .allocator import Extent, blocks_for
-from .errors import NixlNotInstalledError, RemoteExtentError, RemotePeerError
+from .errors import RemoteExtentError, RemotePeerError
 from .export_window import ExportWindow
 from .extent_pieces import pieces as _pieces
+from .nixl_setup import interface_of, load_nixl, net_devices, outward_ip, rdma_ports
 
 TransferState = Literal["pending", "done", "error"]
 
-_NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 _MAGIC = b"ECOFFLOAD-PEER\x01"
 _LEN = struct.Struct("<I")
-
-
-def load_nixl() -> Any:
-    """The NIXL Python API module (``nixl``, else ``nixl_cu12``, else ``nixl_cu13``)."""
-    tried = []
-    for name in _NIXL_MODULES:
-        try:
-            return importlib.import_module(name)
-        except ImportError as exc:
-            tried.append(f"{name}: {exc}")
-    raise NixlNotInstalledError(
-        "remote arena transfers need NIXL, which is not importable ("
-        + "; ".join(tried)
-        + "): install it with `pip install ecoffload[nixl]` (nixl-cu12), or the nixl "
-        "package your vLLM uses"
-    )
-
-
-def nixl_available() -> bool:
-    try:
-        load_nixl()
-    except NixlNotInstalledError:
-        return False
-    return True
 
 
 class Pull(NamedTuple):
@@ -180,44 +150,6 @@ class PullHandle:
     _xfer: Any = field(default=None, repr=False)
 
 
-def _outward_ip() -> str:
-    """The address of the interface that routes outwards (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-_SIOCGIFADDR = 0x8915
-
-
-def interface_of(host: str) -> str:
-    """The name of the local network interface whose IPv4 address is ``host``
-    (what UCX's ``NET_DEVICES`` takes); raises RemotePeerError if none has it."""
-    try:
-        want = socket.inet_aton(socket.gethostbyname(host))
-    except OSError as exc:
-        raise RemotePeerError(f"nixl host {host!r} is not an IPv4 address ({exc})") from None
-    seen = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            req = array.array("B", struct.pack("256s", name.encode()[:15]))
-            try:
-                fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)
-            except OSError:
-                continue  # no IPv4 address
-            addr = bytes(req[20:24])
-            seen.append(f"{name}={socket.inet_ntoa(addr)}")
-            if addr == want:
-                return name
-    raise RemotePeerError(
-        f"no local interface has the address {host!r} (interfaces: {', '.join(seen)}): "
-        "set nixl.host to this host's address on the network the other hosts reach"
-    )
-
-
 def split_metadata(blob: bytes) -> tuple[PeerCard, bytes]:
     """(card, NIXL metadata) of :meth:`ArenaPeer.metadata` bytes; RemotePeerError otherwise."""
     head = len(_MAGIC) + _LEN.size
@@ -232,29 +164,6 @@ def split_metadata(blob: bytes) -> tuple[PeerCard, bytes]:
     except (ValueError, AttributeError) as exc:
         raise RemotePeerError(f"the peer metadata's card is not a JSON card ({exc})") from None
     return card, blob[head + n :]
-
-
-def rdma_ports() -> list[str]:
-    """UCX names (``mlx5_0:1``) of this host's RDMA ports: kept usable when ``host``
-    narrows UCX to one IP interface (RDMA opens no TCP port)."""
-    out = []
-    for dev in sorted(glob.glob("/sys/class/infiniband/*/ports/*")):
-        out.append(f"{dev.split('/')[4]}:{dev.rsplit('/', 1)[1]}")
-    return out
-
-
-@contextlib.contextmanager
-def _net_devices(devices: str | None) -> Iterator[None]:
-    """``UCX_NET_DEVICES=devices`` while a UCX backend reads its configuration (NIXL's
-    engine_config cannot carry a list); an operator's own UCX_NET_DEVICES wins."""
-    if devices is None or "UCX_NET_DEVICES" in os.environ:
-        yield
-        return
-    os.environ["UCX_NET_DEVICES"] = devices
-    try:
-        yield
-    finally:
-        del os.environ["UCX_NET_DEVICES"]
 
 
 def _check_extents(
@@ -320,7 +229,7 @@ class ArenaPeer:
         self._reg = self._window_reg = None
         self.window: ExportWindow | None = None
         self._agent = None
-        self.host = host or _outward_ip()
+        self.host = host or outward_ip()
         # UCX settings, NIXL's "engine_config" (key=value, comma-separated; an operator's
         # UCX_* environment wins). No SysV shared memory: its segments are mode 0660, so
         # the process's group could attach them (posix shm and CMA stay: owner only).
@@ -343,7 +252,7 @@ class ArenaPeer:
                 )
             params = {"engine_config": ",".join(ucx)} if backend == "UCX" else {}
             try:
-                with _net_devices(devices if backend == "UCX" else None):
+                with net_devices(devices if backend == "UCX" else None):
                     agent.create_backend(backend, params)
             except Exception as exc:
                 raise RemotePeerError(

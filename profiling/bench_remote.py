@@ -40,7 +40,8 @@ import torch
 
 from ..engine.arena import Arena
 from ..engine.export_window import ExportWindow
-from ..engine.remote import ArenaPeer, Pull, _pieces, load_nixl
+from ..engine.nixl_setup import load_nixl
+from ..engine.remote import ArenaPeer, Pull, _pieces
 from .remote_producer import fill_arena
 
 BLOCK = 64 << 10

