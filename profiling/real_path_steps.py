@@ -219,9 +219,12 @@ def mount_checkout(path: str, name: str = "ecoffload_before") -> str:
     """Make the ecoffload checkout at ``path`` importable as package ``name`` (its modules
     import each other relatively), to time it in this process beside this one; returns
     ``name``."""
+    import atexit
+    import shutil
     import sys
 
     root = tempfile.mkdtemp(prefix="ecoffload-mount-")
+    atexit.register(shutil.rmtree, root, True)  # only symlinks: nothing of the checkout goes
     package = os.path.join(root, name)
     os.mkdir(package)
     for sub in ("kernels", "engine", "connector", "profiling"):
