@@ -1,22 +1,28 @@
-"""The planner's C pass as an extension module, built at install time (everything else is
-in pyproject.toml).
+"""The two C fast passes as extension modules, built at install time (everything else is
+in pyproject.toml): the planner's (``kernels/plan_native.c``) and the shared catalog's
+hits, pins and unpins (``engine/shared_catalog_native.c``).
 
 ``optional=True``: where no C compiler or no Python headers are found the install
 warns ("building extension ... failed") and goes on; the planner then runs its
-Python passes (slower for fragmented steps, same results).
+Python passes (slower for fragmented steps, same results) and the catalog its
+Python methods (same words written, slower per hit).
 """
 
 from setuptools import Extension, setup
 
+# CPython's own release flags: asserts off, signed overflow defined.
+FLAGS = dict(extra_compile_args=["-O2", "-fwrapv"], define_macros=[("NDEBUG", None)])
+
 setup(
     ext_modules=[
         Extension(
-            "ecoffload.kernels._plan_native",
-            ["kernels/plan_native.c"],
-            # CPython's own release flags: asserts off, signed overflow defined.
-            extra_compile_args=["-O2", "-fwrapv"],
-            define_macros=[("NDEBUG", None)],
+            "ecoffload.kernels._plan_native", ["kernels/plan_native.c"], optional=True, **FLAGS
+        ),
+        Extension(
+            "ecoffload.engine._catalog_native",
+            ["engine/shared_catalog_native.c"],
             optional=True,
-        )
+            **FLAGS,
+        ),
     ]
 )

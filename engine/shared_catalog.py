@@ -311,6 +311,14 @@ class SharedCatalog(
         of :meth:`lookup` then :meth:`pin`, between which another process could
         evict it).
         """
+        fast = self._fast
+        if fast is not None:  # C: a seen READY entry, mutex free, catalog clean (else 0)
+            got = fast.hit(key, pin)
+            if got.__class__ is not int:
+                self.local.hits += 1
+                return got
+            if got:  # a dead holder's mutex (released for the Python way), or raises
+                self._native_lock(got)
         w = self._enter(False)  # a hit marks dirty only for what it relinks
         try:
             entry = self._seen.get(key)

@@ -66,6 +66,9 @@ class LockProtocol:
         at open and again in a forked child (the mutex needs no new descriptor)."""
         pid = os.getpid()
         self._pid, self._start = pid, process_start_time(pid) or 0
+        fast = self.__dict__.get("_fast")  # bound after the layout is read
+        if fast is not None:
+            fast.identify(self._pid, self._start)
         _catalogs.add(self)
 
     def _enter(self, update: bool = True, recover: bool = True) -> memoryview:
@@ -107,6 +110,29 @@ class LockProtocol:
             f"catalog {self.path}: this thread released a lock it does not hold (a bug)"
         )
 
+    def _took_over(self) -> None:
+        """Count and report a lock holder's death (this thread holds the mutex, marked
+        consistent)."""
+        self._w[H_LOCK_DEATHS] += 1
+        log.warning(
+            "catalog %s: its lock's holder (a process or thread) died holding it (%s); "
+            "taken over", self.path,
+            "inside an update: rebuilding" if self._w[H_DIRTY] else "no update pending",
+        )  # fmt: skip
+
+    def _native_lock(self, rc: int) -> None:
+        """What a C fast path's trylock answered (it wrote nothing), handled as
+        :meth:`_lock_slow` does: EOWNERDEAD (it holds the mutex, marked consistent): count
+        the death and release the mutex, for the caller's Python way, whose :meth:`_enter`
+        recovers if needed; any other error (not held: ENOTRECOVERABLE...) raises."""
+        if rc != errno.EOWNERDEAD:
+            self._lock_slow(rc)  # raises for every rc but EBUSY, which C never answers
+            return
+        try:
+            self._took_over()
+        finally:
+            self._unlock()
+
     def _lock_slow(self, rc: int) -> None:
         """The mutex was held (EBUSY: wait for it) or its holder died (EOWNERDEAD: make
         it consistent, count the death); anything else raises CatalogLockError."""
@@ -131,12 +157,7 @@ class LockProtocol:
                 # dirty's business: the caller recovers if the holder died inside an update.
                 pt.pthread_mutex_consistent(mx)
                 rc = 0
-                self._w[H_LOCK_DEATHS] += 1
-                log.warning(
-                    "catalog %s: its lock's holder (a process or thread) died holding it (%s); "
-                    "taken over", self.path,
-                    "inside an update: rebuilding" if self._w[H_DIRTY] else "no update pending",
-                )  # fmt: skip
+                self._took_over()
         except BaseException:  # rc is always the last call's: held if 0 or EOWNERDEAD
             if rc == errno.EOWNERDEAD:
                 pt.pthread_mutex_consistent(mx)

@@ -41,6 +41,13 @@ class Pins:
 
         The pin belongs to this process: dropped if it dies before unpinning.
         """
+        fast = self._fast
+        if fast is not None:  # C: a seen READY entry, mutex free, catalog clean (else 0)
+            got = fast.pin(key)
+            if got.__class__ is not int:
+                return got
+            if got:  # a dead holder's mutex (released for the Python way), or raises
+                self._native_lock(got)
         w = self._enter()
         try:
             entry = self._seen.get(key)
@@ -63,6 +70,13 @@ class Pins:
 
     def unpin(self, key: str) -> None:
         """Undo one :meth:`pin` of this process."""
+        fast = self._fast
+        if fast is not None:  # C, as for unpin_many
+            got = fast.unpin((key,))
+            if got is True:
+                return
+            if got:
+                self._native_lock(got)
         w = self._enter()
         try:
             entry = self._seen.get(key)
@@ -111,6 +125,13 @@ class Pins:
         listed; a key this object has seen READY is found from its entry (slot and
         generation) without hashing.
         """
+        fast = self._fast
+        if fast is not None:  # C: every key seen READY, mutex free, catalog clean (else 0)
+            got = fast.unpin(keys)
+            if got is True:
+                return
+            if got:  # a dead holder's mutex (released for the Python way), or raises
+                self._native_lock(got)
         w = self._enter()
         try:
             sl, seen = self._sl, self._seen

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import robust_mutex
+from . import robust_mutex, shared_catalog_native
 from .catalog import CatalogStats
 from .errors import ArenaLayoutMismatch, CatalogLockError, InvalidSizeError
 from .janitor import ofd_lock
@@ -186,7 +186,7 @@ class CatalogRegion:
             v = self.__dict__.pop(view, None)
             if v is not None:
                 v.release()
-        for name in ("_fs", "_fe", "_fn", "_fp", "_ec", "_en", "_mx"):
+        for name in ("_fs", "_fe", "_fn", "_fp", "_ec", "_en", "_mx", "_fast"):
             self.__dict__.pop(name, None)  # a later call fails on the name, never the address
         self._mm.close()
         self._mm = None
@@ -240,3 +240,4 @@ class CatalogRegion:
         self._pn = lay.pins_at // 8
         self._mkey = lay.max_key_bytes
         self._hmask = lay.buckets - 1
+        self._fast = shared_catalog_native.hit_path(self)  # C hits, pins, unpins (or None)
