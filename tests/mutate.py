@@ -138,7 +138,7 @@ def run(module: str, children: int) -> dict:
     # already run torch ops, and libgomp's thread pool does not survive a fork (the
     # child's first parallel reduction waits forever in gomp_team_end: a "timeout").
     env = {**os.environ, "CI": "1", "PYTHONSAFEPATH": "1", "ECOFFLOAD_MUTATION": "1",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "OMP_NUM_THREADS": "1", "ECOFFLOAD_NATIVE_CATALOG": "0"}  # fmt: skip
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
