@@ -64,9 +64,10 @@ def test_wheel_holds_only_the_ecoffload_package(tmp_path):
     for sub in ("kernels", "engine", "connector", "profiling", "tools"):
         assert f"ecoffload/{sub}/__init__.py" in names
     assert "ecoffload/profiling/gpu_check.sh" in names
-    # The planner's C pass, built by the install (a host building the wheel has a compiler).
-    assert any(n.startswith("ecoffload/kernels/_plan_native.") and n.endswith(".so")
-               for n in names), names  # fmt: skip
+    # The C passes, built by the install (a host building the wheel has a compiler).
+    for module in ("kernels/_plan_native.", "engine/_catalog_native."):
+        assert any(n.startswith(f"ecoffload/{module}") and n.endswith(".so")
+                   for n in names), names  # fmt: skip
     assert "ecoffload/tools/grafana/ecoffload.json" in names  # `ecoffload dashboard` prints it
     entry_points = zipfile.ZipFile(tmp_path / wheel).read(
         wheel.split("-")[0] + "-" + wheel.split("-")[1] + ".dist-info/entry_points.txt"
@@ -91,7 +92,8 @@ def copy_of_the_sources(tmp_path):
 @pytest.mark.slow
 def test_a_host_without_a_compiler_installs_with_a_warning_and_serves(tmp_path, arena_dir):
     """No C compiler (CC names none, none on PATH): the install warns and goes on, and the
-    installed package saves and loads through OffloadCache, planning in Python."""
+    installed package saves and loads through OffloadCache (both catalogs), planning and
+    answering the shared catalog's hits in Python."""
     src, site = copy_of_the_sources(tmp_path), tmp_path / "site"
     no_compiler = {"CC": str(tmp_path / "no-cc"), "PATH": os.path.dirname(sys.executable)}
     env = {**os.environ, **no_compiler}
@@ -102,8 +104,9 @@ def test_a_host_without_a_compiler_installs_with_a_warning_and_serves(tmp_path, 
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert 'building extension "ecoffload.kernels._plan_native" failed' in out.stdout + out.stderr
-    assert not list(site.glob("ecoffload/kernels/_plan_native*"))
+    for module in ("kernels._plan_native", "engine._catalog_native"):
+        assert f'building extension "ecoffload.{module}" failed' in out.stdout + out.stderr
+        assert not list(site.glob(f"ecoffload/{module.replace('.', '/')}*"))
     code = (
         "import logging, sys, torch\n"
         # This venv's editable install of the repository would answer for the module
@@ -112,12 +115,14 @@ def test_a_host_without_a_compiler_installs_with_a_warning_and_serves(tmp_path, 
         "logging.basicConfig(level=logging.WARNING)\n"
         "from ecoffload.engine.cache import OffloadCache\n"
         "from ecoffload.kernels import native\n"
-        f"with OffloadCache.create('nocc', arena_bytes=1 << 20, block_bytes=4096, "
-        f"directory={arena_dir!r}, register_cuda='never', device='cpu') as cache:\n"
-        "    items = {f'k{i}': torch.randn(1000 + i, 3) for i in range(4)}\n"
-        "    cache.save(items); cache.flush()\n"
-        "    got = cache.load(list(items)); cache.flush()\n"
-        "    assert all(torch.equal(got[k], t) for k, t in items.items())\n"
+        "for shared in (False, True):\n"
+        f"    with OffloadCache.create('nocc', arena_bytes=1 << 20, block_bytes=4096, "
+        f"directory={arena_dir!r}, register_cuda='never', device='cpu', shared=shared) as cache:\n"
+        "        items = {f'k{i}': torch.randn(1000 + i, 3) for i in range(4)}\n"
+        "        cache.save(items); cache.flush()\n"
+        "        got = cache.load(list(items)); cache.flush()\n"
+        "        assert all(torch.equal(got[k], t) for k, t in items.items())\n"
+        "        assert not shared or cache.catalog._fast is None\n"
         "print(native.planner() is None, native.__file__)\n"
     )
     served = run_outside_repo(code, tmp_path, PYTHONPATH=str(site), **no_compiler)
@@ -125,3 +130,4 @@ def test_a_host_without_a_compiler_installs_with_a_warning_and_serves(tmp_path, 
     planned_in_python, module = served.stdout.split()
     assert planned_in_python == "True" and module.startswith(str(site))
     assert "copy planning stays in Python" in served.stderr
+    assert served.stderr.count("shared catalog hits stay in Python") == 1  # logged once
