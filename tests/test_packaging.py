@@ -125,7 +125,9 @@ def test_a_host_without_a_compiler_installs_with_a_warning_and_serves(tmp_path, 
         "        assert not shared or cache.catalog._fast is None\n"
         "print(native.planner() is None, native.__file__)\n"
     )
-    served = run_outside_repo(code, tmp_path, PYTHONPATH=str(site), **no_compiler)
+    # The catalog's switch on, whatever the suite runs with: its warning is checked below.
+    served = run_outside_repo(code, tmp_path, PYTHONPATH=str(site), ECOFFLOAD_NATIVE_CATALOG="1",
+                              **no_compiler)  # fmt: skip
     assert served.returncode == 0, served.stderr[-2000:]
     planned_in_python, module = served.stdout.split()
     assert planned_in_python == "True" and module.startswith(str(site))
