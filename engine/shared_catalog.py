@@ -33,9 +33,13 @@ this file                      reserve / commit / abort / lookup / evict
 ``shared_catalog_extents.py``  the free-extent allocator
 ``shared_catalog_recovery.py`` crash consistency: recover, reap, verify
 ``shared_catalog_check.py``    every invariant, for tests
+``shared_catalog_native.c``    hits, pins, unpins of seen READY items in C
+``shared_catalog_native.py``   loading it (optional, layout checked) per object
 =============================  ================================================
 
 Plain Python on purpose: no torch import; numpy only in recovery and ``check``.
+The C paths are optional and answer only the usual case: whatever they do not
+answer, the Python methods do, writing the same words.
 """
 
 from __future__ import annotations
