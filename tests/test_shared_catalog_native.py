@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -239,3 +240,59 @@ def test_a_module_built_for_another_layout_is_refused_with_one_warning(monkeypat
     refusals = [r for r in caplog.records if "built for another layout" in r.getMessage()]
     assert len(refusals) == 1 and "S_PINS" in refusals[0].getMessage()
     assert shared_catalog_native.module() is mod
+
+
+@pytest.mark.parametrize("point", ["pin:record", "holding"])
+def test_a_dead_holders_mutex_met_by_a_c_hit_is_taken_over_and_recovered(
+    tmp_path, monkeypatch, point
+):
+    """The first locker after a holder's death is a pinning hit of a seen item: the C path
+    marks the mutex consistent, the death is counted once, and the Python way rebuilds the
+    catalog if the holder died inside an update."""
+    from test_shared_catalog_lock import _setup, kill_while_holding
+
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")
+    path = tmp_path / "c"
+    c = _setup(path)  # "a", "b" READY and seen by c, "b" pinned by it
+    fast = c._fast
+    assert fast is not None, BUILT
+    recoveries, slow, pins, unpins = c.recoveries, fast.slow, fast.pins, fast.unpins
+    kill_while_holding(path, point)
+    entry = c.lookup("b", pin=True)
+    assert entry.pins == 2 and c.lock_deaths == 1
+    assert c.recoveries == recoveries + (point != "holding")
+    assert (fast.slow, fast.pins) == (slow, pins)  # answered EOWNERDEAD, then Python
+    c.check()
+    c.lookup("b", pin=True)  # and C again
+    assert fast.pins == pins + 1 and c.entry("b").pins == 3
+    c.unpin_many(["b", "b", "b"])
+    assert fast.unpins == unpins + 3 and c.entry("b").pins == 0
+    c.check()
+    c.close()
+
+
+def test_a_busy_mutex_sends_a_c_hit_the_python_way_which_waits(tmp_path, monkeypatch):
+    c = open_catalog(monkeypatch, tmp_path / "c", True, blocks=8)
+    assert c._fast is not None, BUILT
+    c.reserve("a", B)
+    c.commit("a")
+    held = threading.Event()
+
+    def hold():
+        c._lock()
+        held.set()
+        time.sleep(0.3)
+        c._unlock()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert held.wait(10)
+    start = time.monotonic()
+    assert c.lookup("a", pin=True).pins == 1
+    assert time.monotonic() - start > 0.1  # waited for the holder
+    t.join(10)
+    assert (c._fast.slow, c._fast.pins) == (1, 0)
+    c.unpin("a")
+    assert c._fast.unpins == 1
+    c.check()
+    c.close()
