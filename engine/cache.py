@@ -56,6 +56,7 @@ from .allocator import BlockAllocator
 from .arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
 from .catalog import Catalog, CatalogStats
 from .catalog_protocol import CatalogProtocol
+from .errors import DuplicateItemError, ItemStateError, UnknownItemError
 from .items import dtype_from_name, dtype_name, item_crc32
 from .shared_cache import open_catalog, open_shared_arena
 from .shared_catalog import SharedCatalog
@@ -175,20 +176,20 @@ class OffloadCache:
         Keys already cached (or being saved) are skipped, and stay cached: the
         batch's own reservations never evict them. Keys that find no room even
         after eviction are skipped and reported: an offload cache never fails
-        the caller for lack of space.
+        the caller for lack of space. On a shared arena another process may
+        save, evict or start saving a key at any moment: a key it reserved
+        first counts as already cached, one it evicted is simply not protected.
         """
         with nvtx_range("ecoffload.cache.save"):
             self.poll()
             result, sources, entries = SaveResult(), [], []
             result.already_cached = [k for k in items if self.catalog.state(k) is not None]
-            ready = [k for k in result.already_cached if k in self.catalog]
-            for key in ready:  # protected while this batch reserves
-                self.catalog.pin(key)
+            pinned = self._pin_ready(result.already_cached)  # protected while the batch reserves
             try:
                 self._reserve_batch(items, result, sources, entries)
             finally:
-                for key in ready:
-                    self.catalog.unpin(key)
+                if pinned:
+                    self.catalog.unpin_many(pinned)
             if not sources:
                 return result
             try:
@@ -201,6 +202,18 @@ class OffloadCache:
             self.poll()
             return result
 
+    def _pin_ready(self, keys: list[str]) -> list[str]:
+        """Pin those of ``keys`` that are READY now; the ones pinned. (Asking first and
+        pinning after would race another process's eviction on a shared arena.)"""
+        pinned = []
+        for key in keys:
+            try:
+                self.catalog.pin(key)
+            except (UnknownItemError, ItemStateError):  # gone, or still being written
+                continue
+            pinned.append(key)
+        return pinned
+
     def _reserve_batch(
         self,
         items: Mapping[str, torch.Tensor],
@@ -208,13 +221,18 @@ class OffloadCache:
         sources: list[torch.Tensor],
         entries: list,
     ) -> None:
+        skip = set(result.already_cached)
         for key, tensor in items.items():
-            if key in result.already_cached:
+            if key in skip:
                 continue
-            with nvtx_range("ecoffload.reserve"):
-                entry = self.catalog.reserve(
-                    key, tensor.nbytes, dtype_name(tensor.dtype), tensor.shape
-                )
+            try:
+                with nvtx_range("ecoffload.reserve"):
+                    entry = self.catalog.reserve(
+                        key, tensor.nbytes, dtype_name(tensor.dtype), tensor.shape
+                    )
+            except DuplicateItemError:  # another process reserved it since the state check
+                result.already_cached.append(key)
+                continue
             if entry is None:
                 result.no_room.append(key)
                 continue
@@ -226,17 +244,17 @@ class OffloadCache:
         """Tensors of the ready keys among ``keys`` (misses are left out), in one launch."""
         with nvtx_range("ecoffload.cache.load"):
             self.poll()
-            entries = [e for e in (self.catalog.lookup(k) for k in keys) if e is not None]
+            # Found and pinned in one call: between a lookup and a pin another process
+            # could evict the item (the shared catalog does both under one lock).
+            lookup = self.catalog.lookup
+            entries = [e for e in (lookup(k, pin=True) for k in keys) if e is not None]
             if not entries:
                 return {}
-            for entry in entries:
-                self.catalog.pin(entry.key)
             specs = [(dtype_from_name(e.dtype), e.shape) for e in entries]
             try:
                 outputs, done = self.mover.load(step_tables(entries), specs)
             except BaseException:
-                for entry in entries:
-                    self.catalog.unpin(entry.key)
+                self.catalog.unpin_many([e.key for e in entries])
                 raise
             keys_loaded = [e.key for e in entries]
             self._pending_loads.append((done, keys_loaded))
@@ -250,14 +268,18 @@ class OffloadCache:
 
     def poll(self) -> None:
         """Commit saves and unpin loads whose copies have completed."""
-        self._pending_saves = self._finish(self._pending_saves, self._commit)
-        self._pending_loads = self._finish(self._pending_loads, self.catalog.unpin)
+        self._pending_saves = self._finish(self._pending_saves, self._commit_all)
+        self._pending_loads = self._finish(self._pending_loads, self.catalog.unpin_many)
 
     def flush(self) -> None:
         """Wait for every copy in flight, then poll."""
         for done, _ in self._pending_saves + self._pending_loads:
             done.wait()
         self.poll()
+
+    def _commit_all(self, keys: list[str]) -> None:
+        for key in keys:
+            self._commit(key)
 
     def _commit(self, key: str) -> None:
         crc = None
@@ -299,6 +321,5 @@ class OffloadCache:
     def _finish(pending: list[tuple[Completion, list[str]]], apply) -> list:
         finished, still = split_completed(pending)
         for keys in finished:
-            for key in keys:
-                apply(key)
+            apply(keys)
         return still

@@ -7,7 +7,9 @@ Protocol (two-phase commit, so a partially written item is never served)::
     commit(key)                                         WRITING -> READY (visible)
     abort(key)                                          WRITING -> gone, blocks freed
 
-    lookup(key) -> Entry | None      READY only; a hit becomes most recently used
+    lookup(key, pin=False) -> Entry | None
+                                     READY only; a hit becomes most recently used
+                                     (and pinned with pin=True)
     pin(key) / unpin(key)            nest; a pinned item is never evicted or freed
     evict(key)                       READY, unpinned -> gone
 
@@ -182,14 +184,17 @@ class Catalog:
         self._expect(key, ItemState.WRITING, "abort")
         self._drop(key, evicted=False)
 
-    def lookup(self, key: str) -> Entry | None:
-        """The READY entry of ``key`` (now most recently used), or None; counts hit/miss."""
+    def lookup(self, key: str, *, pin: bool = False) -> Entry | None:
+        """The READY entry of ``key`` (now most recently used), or None; counts hit/miss.
+        ``pin=True`` also pins a hit (the shared catalog does both under one lock)."""
         entry = self._entries.get(key)
         if entry is None or entry.state is not ItemState.READY:
             self._stats.misses += 1
             return None
         self._stats.hits += 1
         self._lru.move_to_end(key)
+        if pin:
+            self.pin(key)
         return entry
 
     def pin(self, key: str) -> Entry:

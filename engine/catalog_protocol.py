@@ -9,7 +9,10 @@ never served)::
         ... the caller copies the bytes into entry.extents ...
     commit(key, checksum)                                WRITING -> READY (visible)
     abort(key)                                           WRITING -> gone, blocks freed
-    lookup(key) -> Entry | None      READY only; a hit becomes most recently used
+    lookup(key, pin=False) -> Entry | None
+                                     READY only; a hit becomes most recently used;
+                                     pin=True pins it in the same step (between a
+                                     lookup and a pin another process could evict it)
     pin(key) / unpin(key)            nest; a pinned item is never evicted or freed
     pin_many(keys) / unpin_many(keys)   the same, all of them or none
     evict(key)                       READY, unpinned -> gone
@@ -74,7 +77,7 @@ class CatalogProtocol(Protocol):
 
     def abort(self, key: str) -> None: ...
 
-    def lookup(self, key: str) -> Entry | None: ...
+    def lookup(self, key: str, *, pin: bool = False) -> Entry | None: ...
 
     def pin(self, key: str) -> Entry: ...
 

@@ -34,6 +34,9 @@
  *   from it (0 for empty ones), byte sizes, and the bytes from it to the end of
  *   the highest. None when a tensor is not contiguous (api.py names it). The
  *   tensors' methods run Python code, so it works on a snapshot of the list.
+ *   It calls torch.Tensor's is_contiguous and data_ptr descriptors on each
+ *   tensor (looked up once, at the first call: a bound-method lookup per call
+ *   cost about as much again) and reads nbytes as an attribute.
  *
  * Built at install time as the extension module ecoffload.kernels._plan_native
  * (setup.py, optional: without a compiler the install warns and plan.py's
@@ -335,10 +338,31 @@ done:
     return result;
 }
 
-static PyObject *s_data_ptr, *s_nbytes, *s_is_contiguous;  /* interned method names */
+static PyObject *s_data_ptr, *s_nbytes, *s_is_contiguous;  /* interned names */
+static PyObject *tensor_data_ptr, *tensor_is_contiguous;  /* torch.Tensor's, once found */
+
+/* torch.Tensor.data_ptr and .is_contiguous, looked up at the first call (torch is
+ * imported by then: the caller holds tensors); 0, or -1 with an exception set. */
+static int find_tensor_methods(void) {
+    if (tensor_data_ptr != NULL) return 0;
+    PyObject *torch = PyImport_ImportModule("torch");
+    PyObject *tensor = torch != NULL ? PyObject_GetAttrString(torch, "Tensor") : NULL;
+    PyObject *data_ptr = tensor != NULL ? PyObject_GetAttr(tensor, s_data_ptr) : NULL;
+    PyObject *is_contiguous = data_ptr != NULL ? PyObject_GetAttr(tensor, s_is_contiguous) : NULL;
+    Py_XDECREF(torch);
+    Py_XDECREF(tensor);
+    if (is_contiguous == NULL) {
+        Py_XDECREF(data_ptr);
+        return -1;
+    }
+    tensor_is_contiguous = is_contiguous;
+    tensor_data_ptr = data_ptr;
+    return 0;
+}
 
 static PyObject *item_layout(PyObject *self, PyObject *given) {
     if (!PyList_CheckExact(given)) Py_RETURN_NONE;
+    if (find_tensor_methods() < 0) return NULL;
     PyObject *tensors = PyList_AsTuple(given);  /* a snapshot: the methods below run Python */
     if (tensors == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(tensors);
@@ -352,8 +376,8 @@ static PyObject *item_layout(PyObject *self, PyObject *given) {
     Py_ssize_t lowest = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = PyTuple_GET_ITEM(tensors, i);
-        PyObject *contiguous = PyObject_CallMethodNoArgs(t, s_is_contiguous);
-        PyObject *ptr = contiguous == Py_True ? PyObject_CallMethodNoArgs(t, s_data_ptr) : NULL;
+        PyObject *contiguous = PyObject_CallOneArg(tensor_is_contiguous, t);
+        PyObject *ptr = contiguous == Py_True ? PyObject_CallOneArg(tensor_data_ptr, t) : NULL;
         PyObject *nbytes = ptr != NULL ? PyObject_GetAttr(t, s_nbytes) : NULL;
         int bad = 0;
         int64_t address = ptr != NULL ? as_int64(ptr, &bad) : 0;

@@ -142,6 +142,22 @@ def test_bench_host_compares_both_paths_on_every_step_and_names_its_planner(caps
                        "save 100 ext 4.0x, load 100 ext 4.0x")  # fmt: skip
 
 
+def test_the_launch_rows_time_offload_cache_calls_on_bytes_they_checked(tmp_path, monkeypatch):
+    # The rows gpu_check.sh prints first on a GPU host, run here on the CPU (reference
+    # copy: the interpreted kernel would take minutes for 16 MiB) through the same code.
+    from ecoffload.profiling import bench_host
+
+    monkeypatch.setattr("ecoffload.engine.transfer.triton_available", lambda device: False)
+    rows = bench_host.launch_rows(2, str(tmp_path), "cpu")
+    assert [(r["step"], r["direction"]) for r in rows] == [
+        ("16 items x 1 MiB, cpu", "OffloadCache.save call"),
+        ("16 items x 1 MiB, cpu", "OffloadCache.load call"),
+        ("save + load, back to back", "save + load"),
+    ]
+    assert all(r["now_us"] > 0 for r in rows)
+    assert not list(tmp_path.iterdir())  # the arena went with the cache
+
+
 def test_bench_host_rows_cover_each_step_both_ways():
     from ecoffload.profiling import bench_host
 

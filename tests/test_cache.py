@@ -171,6 +171,88 @@ def test_a_batch_never_evicts_its_own_already_cached_items(arena_dir):
         assert c.catalog.entry("k0").pins == 0
 
 
+def _two_caches_on_one_shared_arena(arena_dir):
+    """Two caches on one shared arena: "other" plays another process (its catalog object
+    is another one; the words, pins and the lock are the same ones)."""
+    kw = dict(arena_bytes=16 * B, block_bytes=B, directory=arena_dir, shared=True)
+    return OffloadCache.create("race", **kw), OffloadCache.create("race", **kw)
+
+
+def test_an_eviction_racing_a_load_is_a_miss_or_waits_for_the_load(arena_dir):
+    # The other process evicts each item right after the load's catalog call returns:
+    # found and pinned in that one call, the item stays (the eviction is refused) and
+    # loads whole; with a lookup and then a pin, the pin found it gone and the load
+    # raised (seen: ItemStateError from a shared OffloadCache loading while another
+    # process churned the same keys).
+    mine, other = _two_caches_on_one_shared_arena(arena_dir)
+    with mine, other:
+        data = items(3)
+        other.save(data)
+        other.flush()
+        real_lookup, refused = mine.catalog.lookup, []
+
+        def lookup_then_evicted(key, **kw):
+            entry = real_lookup(key, **kw)
+            try:
+                other.catalog.evict(key)
+            except ItemStateError:
+                refused.append(key)
+            return entry
+
+        mine.catalog.lookup = lookup_then_evicted
+        loaded = mine.load(list(data))
+        mine.flush()
+        assert refused == list(data)  # pinned by the time the other process tried
+        assert {k: torch.equal(t, data[k]) for k, t in loaded.items()} == dict.fromkeys(data, True)
+        assert [mine.catalog.entry(k).pins for k in data] == [0, 0, 0]  # unpinned after
+
+
+def test_a_key_another_process_reserves_during_a_save_counts_as_already_cached(arena_dir):
+    # The other process reserves "img-1" between the save's "is it cached?" and its
+    # reservation: the save skips it (it raised DuplicateItemError before) and saves the rest.
+    mine, other = _two_caches_on_one_shared_arena(arena_dir)
+    with mine, other:
+        data = items(3)
+        real_state = mine.catalog.state
+
+        def state_then_reserved_elsewhere(key):
+            state = real_state(key)
+            if key == "img-1" and state is None:
+                other.catalog.reserve(key, data[key].nbytes, "bfloat16", tuple(data[key].shape))
+            return state
+
+        mine.catalog.state = state_then_reserved_elsewhere
+        result = mine.save(data)
+        mine.flush()
+        assert result.saved == ["img-0", "img-2"] and result.already_cached == ["img-1"]
+        assert other.catalog.state("img-1") is ItemState.WRITING  # still the other's to commit
+        other.catalog.abort("img-1")
+        loaded = mine.load(list(data))
+        assert sorted(loaded) == ["img-0", "img-2"]
+
+
+def test_a_save_protects_only_what_is_still_there_when_it_pins(arena_dir):
+    # "img-0" was READY when the save asked and is evicted by the other process just
+    # before the save pins it: nothing to protect, the save goes on (it raised before).
+    mine, other = _two_caches_on_one_shared_arena(arena_dir)
+    with mine, other:
+        data = items(2)
+        mine.save({"img-0": data["img-0"]})
+        mine.flush()
+        real_pin = mine.catalog.pin
+
+        def evicted_elsewhere_then_pinned(key):
+            if key == "img-0" and other.catalog.state(key) is ItemState.READY:
+                other.catalog.evict(key)
+            return real_pin(key)
+
+        mine.catalog.pin = evicted_elsewhere_then_pinned
+        result = mine.save(data)
+        mine.flush()
+        assert result.saved == ["img-1"] and result.already_cached == ["img-0"]
+        assert mine.catalog.state("img-0") is None and mine.catalog.entry("img-1").pins == 0
+
+
 def _load_in_another_process(arena_dir, keys, out):
     with OffloadCache.create("s", arena_bytes=16 * B, block_bytes=B, directory=arena_dir,
                              shared=True, integrity=True) as c:  # fmt: skip
