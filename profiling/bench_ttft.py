@@ -186,7 +186,7 @@ def run(
         # Servers gone now: the component times do not share the CPU with them.
         encoder = time_encoder(model_dir, runs=component_runs)
         result.encoder_seconds, result.embedding_shape = encoder["seconds"], encoder["shape"]
-        result.arena_load_seconds = time_arena_load(shape, arena_dir, runs=component_runs)
+        result.arena_load_seconds = time_arena_load(shape, arena_dir, runs=4 * component_runs)
     result.load_average.append(os.getloadavg()[0])
     return result
 
@@ -340,12 +340,25 @@ def time_encoder(model_dir: str, *, runs: int = 5, timeout_s: float = 600.0) -> 
     return json.loads(lines[-1])
 
 
-def time_arena_load(shape: list[int], directory: str, *, runs: int = 5) -> list[float]:
+def time_arena_load(shape: list[int], directory: str, *, runs: int = 20) -> list[float]:
     """Seconds per ``OffloadCache.load`` of one bfloat16 item of ``shape``.
 
     From a shared arena configured as the connector's (:func:`.ec_transfer_config`),
-    to host memory (no GPU here); one warm-up load; every load checked bit-exact.
+    to host memory (no GPU here), on one torch thread (as ``bench_host`` times its
+    copies: on a busy small host a pool's spin-waits make a copy of a few hundred KB
+    10-30x slower); one warm-up load; every load checked bit-exact.
     """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _time_arena_load(shape, directory, runs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_arena_load(shape: list[int], directory: str, runs: int) -> list[float]:
     import torch
 
     from ..engine.cache import OffloadCache
