@@ -3,9 +3,11 @@
 Used by the demo and the end-to-end test (no model hub exists there). The model:
 SigLIP vision tower (112 px, patch 14 -> 64 image tokens, hidden 32, 1 layer),
 a linear projector and a Gemma text model (hidden 128, 2 layers), vocab 1536,
-~0.45 M parameters. Weights come from a seeded generator, so a seed always
-gives the same checkpoint; a large init std makes greedy output depend on the
-image.
+~0.45 M parameters. ``vision="siglip-base"`` builds the same model around a
+SigLIP-base-sized tower (224 px, patch 16 -> 196 tokens, hidden 768, 12 layers)
+and a 640-wide Gemma (:data:`SIGLIP_BASE`), for time-to-first-token figures.
+Weights come from a seeded generator, so a seed always gives the same
+checkpoint; a large init std makes greedy output depend on the image.
 
     cpu_build.install()                 # ecoffload.connector: before `LLM(...)` without torchvision
     path = build_tiny_paligemma(tmpdir, seed=0)
@@ -21,20 +23,58 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
-IMAGE_SIZE = 112
-PATCH_SIZE = 14
-NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # 64
-VISION_HIDDEN = 32
-VISION_INTER = 64
-VISION_LAYERS = 1
-VISION_HEADS = 2
-TEXT_HIDDEN = 128
-TEXT_INTER = 256
-TEXT_LAYERS = 2
-TEXT_HEADS = 2
-TEXT_KV_HEADS = 1
-HEAD_DIM = 64
+
+@dataclass(frozen=True)
+class VlmGeometry:
+    """The shape of a generated PaliGemma: the one source every file and check reads."""
+
+    image_size: int
+    patch_size: int
+    vision_hidden: int
+    vision_inter: int
+    vision_layers: int
+    vision_heads: int
+    text_hidden: int  # also the projector's output: the row width of one cached item
+    text_inter: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    head_dim: int
+    # Weight std of the vision tower. The tiny tower's large one makes greedy output
+    # depend on the image; a 12-layer tower gets a realistic one (its output still
+    # does: four images gave four different greedy answers through vllm serve).
+    vision_init_std: float = 0.5
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Placeholder tokens per image: one per patch."""
+        return (self.image_size // self.patch_size) ** 2
+
+
+#: The tiny default the tests and the demo use (~0.45 M parameters, 64 tokens).
+TINY = VlmGeometry(
+    image_size=112, patch_size=14, vision_hidden=32, vision_inter=64, vision_layers=1,
+    vision_heads=2, text_hidden=128, text_inter=256, text_layers=2, text_heads=2,
+    text_kv_heads=1, head_dim=64,
+)  # fmt: skip
+#: A SigLIP-base-sized tower (google/siglip-base-patch16-224: 224 px, patch 16 ->
+#: 196 tokens, hidden 768, 12 layers, 12 heads, MLP 3072; ~86 M parameters) in front
+#: of a small Gemma: 640 wide (Gemma 3 270M's width, so an item is 196 x 640, a small
+#: VLM's row) but 2 layers, so the prefill stays a small share of the time to first
+#: token and what a repeated image saves is the encoder.
+SIGLIP_BASE = VlmGeometry(
+    image_size=224, patch_size=16, vision_hidden=768, vision_inter=3072, vision_layers=12,
+    vision_heads=12, text_hidden=640, text_inter=2048, text_layers=2, text_heads=10,
+    text_kv_heads=2, head_dim=64, vision_init_std=0.02,
+)  # fmt: skip
+PRESETS: dict[str, VlmGeometry] = {"tiny": TINY, "siglip-base": SIGLIP_BASE}
+
+IMAGE_SIZE = TINY.image_size
+PATCH_SIZE = TINY.patch_size
+NUM_IMAGE_TOKENS = TINY.num_image_tokens  # 64
+TEXT_HIDDEN = TINY.text_hidden
 VOCAB_SIZE = 1536
 INIT_STD = 0.5  # large on purpose: makes greedy output depend on the image
 
@@ -110,16 +150,16 @@ def _write_tokenizer(out_dir: str) -> dict[str, int]:
     return vocab
 
 
-def _config(image_token_id: int) -> dict:
+def _config(image_token_id: int, g: VlmGeometry) -> dict:
     text = {
         "model_type": "gemma",
         "vocab_size": VOCAB_SIZE,
-        "hidden_size": TEXT_HIDDEN,
-        "intermediate_size": TEXT_INTER,
-        "num_hidden_layers": TEXT_LAYERS,
-        "num_attention_heads": TEXT_HEADS,
-        "num_key_value_heads": TEXT_KV_HEADS,
-        "head_dim": HEAD_DIM,
+        "hidden_size": g.text_hidden,
+        "intermediate_size": g.text_inter,
+        "num_hidden_layers": g.text_layers,
+        "num_attention_heads": g.text_heads,
+        "num_key_value_heads": g.text_kv_heads,
+        "head_dim": g.head_dim,
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
         "max_position_embeddings": 1024,
@@ -134,16 +174,16 @@ def _config(image_token_id: int) -> dict:
     }
     vision = {
         "model_type": "siglip_vision_model",
-        "hidden_size": VISION_HIDDEN,
-        "intermediate_size": VISION_INTER,
-        "num_hidden_layers": VISION_LAYERS,
-        "num_attention_heads": VISION_HEADS,
+        "hidden_size": g.vision_hidden,
+        "intermediate_size": g.vision_inter,
+        "num_hidden_layers": g.vision_layers,
+        "num_attention_heads": g.vision_heads,
         "num_channels": 3,
-        "image_size": IMAGE_SIZE,
-        "patch_size": PATCH_SIZE,
+        "image_size": g.image_size,
+        "patch_size": g.patch_size,
         "hidden_act": "gelu_pytorch_tanh",
         "layer_norm_eps": 1e-6,
-        "projection_dim": TEXT_HIDDEN,
+        "projection_dim": g.text_hidden,
         "vision_use_head": False,
         "torch_dtype": "float32",
     }
@@ -152,8 +192,8 @@ def _config(image_token_id: int) -> dict:
         "model_type": "paligemma",
         "image_token_index": image_token_id,
         "vocab_size": VOCAB_SIZE,
-        "projection_dim": TEXT_HIDDEN,
-        "hidden_size": TEXT_HIDDEN,
+        "projection_dim": g.text_hidden,
+        "hidden_size": g.text_hidden,
         "pad_token_id": 0,
         "bos_token_id": 2,
         "eos_token_id": 1,
@@ -164,28 +204,30 @@ def _config(image_token_id: int) -> dict:
     }
 
 
-def _weight_shapes() -> list[tuple[str, tuple[int, ...], str]]:
+def _weight_shapes(g: VlmGeometry) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, kind) in the key layout vLLM expects.
 
-    kind: "w" random normal, "b" bias (small random), "ln" LayerNorm weight
-    (ones), "rms" Gemma RMSNorm weight (stored as w, applied as 1+w: zeros-ish).
+    kind: "w" random normal, "vw" random normal at the tower's std, "b" bias
+    (small random), "ln" LayerNorm weight (ones), "rms" Gemma RMSNorm weight
+    (stored as w, applied as 1+w: zeros-ish).
     Names follow what transformers 5 ``save_pretrained`` writes, except the
     vision tower which gets the ``vision_tower.vision_model.`` prefix vLLM's
     SiglipVisionModel wants (transformers 5 saves ``vision_tower.embeddings...``).
     """
     S: list[tuple[str, tuple[int, ...], str]] = []
     vt = "model.vision_tower.vision_model."
-    V, VI, T, TI, HD = VISION_HIDDEN, VISION_INTER, TEXT_HIDDEN, TEXT_INTER, HEAD_DIM
+    V, VI, T, TI, HD = g.vision_hidden, g.vision_inter, g.text_hidden, g.text_inter, g.head_dim
+    P, N = g.patch_size, g.num_image_tokens
     S += [
-        (vt + "embeddings.patch_embedding.weight", (V, 3, PATCH_SIZE, PATCH_SIZE), "w"),
+        (vt + "embeddings.patch_embedding.weight", (V, 3, P, P), "vw"),
         (vt + "embeddings.patch_embedding.bias", (V,), "b"),
-        (vt + "embeddings.position_embedding.weight", (NUM_IMAGE_TOKENS, V), "w"),
+        (vt + "embeddings.position_embedding.weight", (N, V), "vw"),
     ]
-    for i in range(VISION_LAYERS):
+    for i in range(g.vision_layers):
         p = f"{vt}encoder.layers.{i}."
         for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
             S += [
-                (p + f"self_attn.{n}.weight", (V, V), "w"),
+                (p + f"self_attn.{n}.weight", (V, V), "vw"),
                 (p + f"self_attn.{n}.bias", (V,), "b"),
             ]
         S += [
@@ -193,9 +235,9 @@ def _weight_shapes() -> list[tuple[str, tuple[int, ...], str]]:
             (p + "layer_norm1.bias", (V,), "b"),
             (p + "layer_norm2.weight", (V,), "ln"),
             (p + "layer_norm2.bias", (V,), "b"),
-            (p + "mlp.fc1.weight", (VI, V), "w"),
+            (p + "mlp.fc1.weight", (VI, V), "vw"),
             (p + "mlp.fc1.bias", (VI,), "b"),
-            (p + "mlp.fc2.weight", (V, VI), "w"),
+            (p + "mlp.fc2.weight", (V, VI), "vw"),
             (p + "mlp.fc2.bias", (V,), "b"),
         ]
     S += [(vt + "post_layernorm.weight", (V,), "ln"), (vt + "post_layernorm.bias", (V,), "b")]
@@ -205,13 +247,13 @@ def _weight_shapes() -> list[tuple[str, tuple[int, ...], str]]:
     ]
     lm = "model.language_model."
     S += [(lm + "embed_tokens.weight", (VOCAB_SIZE, T), "w")]
-    for i in range(TEXT_LAYERS):
+    for i in range(g.text_layers):
         p = f"{lm}layers.{i}."
         S += [
-            (p + "self_attn.q_proj.weight", (TEXT_HEADS * HD, T), "w"),
-            (p + "self_attn.k_proj.weight", (TEXT_KV_HEADS * HD, T), "w"),
-            (p + "self_attn.v_proj.weight", (TEXT_KV_HEADS * HD, T), "w"),
-            (p + "self_attn.o_proj.weight", (T, TEXT_HEADS * HD), "w"),
+            (p + "self_attn.q_proj.weight", (g.text_heads * HD, T), "w"),
+            (p + "self_attn.k_proj.weight", (g.text_kv_heads * HD, T), "w"),
+            (p + "self_attn.v_proj.weight", (g.text_kv_heads * HD, T), "w"),
+            (p + "self_attn.o_proj.weight", (T, g.text_heads * HD), "w"),
             (p + "mlp.gate_proj.weight", (TI, T), "w"),
             (p + "mlp.up_proj.weight", (TI, T), "w"),
             (p + "mlp.down_proj.weight", (T, TI), "w"),
@@ -222,14 +264,16 @@ def _weight_shapes() -> list[tuple[str, tuple[int, ...], str]]:
     return S
 
 
-def _make_weights(seed: int):
+def _make_weights(seed: int, geometry: VlmGeometry):
     import torch
 
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape, kind in _weight_shapes():
+    for name, shape, kind in _weight_shapes(geometry):
         if kind == "w":
             t = torch.randn(shape, generator=g) * INIT_STD
+        elif kind == "vw":
+            t = torch.randn(shape, generator=g) * geometry.vision_init_std
         elif kind == "b":
             t = torch.randn(shape, generator=g) * 0.02
         elif kind == "ln":
@@ -246,19 +290,38 @@ def _dump(out_dir: str, name: str, obj) -> None:
         f.write("\n")
 
 
-def build_tiny_paligemma(out_dir: str, seed: int = 0) -> str:
-    """Write a tiny random PaliGemma (config, weights, tokenizer, processor) to ``out_dir``.
+def image_token_id() -> int:
+    """The id of the ``<image>`` placeholder token in every generated tokenizer."""
+    return _vocab()[IMAGE_TOKEN]
 
-    Returns the absolute path. Deterministic for a given ``seed``; takes well under a second.
+
+def geometry(vision: str) -> VlmGeometry:
+    """The preset named ``vision`` (a key of :data:`PRESETS`)."""
+    try:
+        return PRESETS[vision]
+    except KeyError:
+        raise ValueError(
+            f"expected a vision preset among {sorted(PRESETS)}, got {vision!r}"
+        ) from None
+
+
+def build_tiny_paligemma(out_dir: str, seed: int = 0, vision: str = "tiny") -> str:
+    """Write a random PaliGemma (config, weights, tokenizer, processor) to ``out_dir``.
+
+    ``vision`` names the geometry (:data:`PRESETS`): ``"tiny"`` takes well under a
+    second; ``"siglip-base"`` (~95 M parameters, 380 MB of float32) a few seconds.
+    Returns the absolute path. Deterministic for a given ``seed`` and preset.
     """
     from safetensors.torch import save_file
+
+    g = geometry(vision)
 
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
 
     vocab = _write_tokenizer(out_dir)
     image_token_id = vocab[IMAGE_TOKEN]
-    _dump(out_dir, "config.json", _config(image_token_id))
+    _dump(out_dir, "config.json", _config(image_token_id, g))
     _dump(
         out_dir, "generation_config.json", {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
     )
@@ -268,8 +331,8 @@ def build_tiny_paligemma(out_dir: str, seed: int = 0) -> str:
         {
             "image_processor_type": "SiglipImageProcessor",
             "processor_class": "PaliGemmaProcessor",
-            "image_seq_length": NUM_IMAGE_TOKENS,
-            "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            "image_seq_length": g.num_image_tokens,
+            "size": {"height": g.image_size, "width": g.image_size},
             "resample": 3,
             "do_resize": True,
             "do_rescale": True,
@@ -282,6 +345,6 @@ def build_tiny_paligemma(out_dir: str, seed: int = 0) -> str:
     )
     _dump(out_dir, "processor_config.json", {"processor_class": "PaliGemmaProcessor"})
 
-    state = _make_weights(seed)
+    state = _make_weights(seed, g)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir

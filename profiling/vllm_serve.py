@@ -77,16 +77,24 @@ def launcher_path() -> str:
 
 
 def server_command(
-    model_dir: str, port: int, *, transfer: dict[str, Any] | None, extra: list[str] = ()
+    model_dir: str,
+    port: int,
+    *,
+    transfer: dict[str, Any] | None,
+    extra: list[str] = (),
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
 ) -> list[str]:
-    """The README's command line: ``ecoffload-vllm serve <model> ...``."""
+    """The README's command line: ``ecoffload-vllm serve <model> ...``.
+
+    ``max_num_batched_tokens`` also sizes vLLM's encoder cache (two tiny images by
+    default; pass two images' tokens of a larger model to keep two of those)."""
     cmd = [
         launcher_path(), "serve", model_dir,
         "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", SERVED_NAME,
         "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
         "--max-model-len", "1024", "--max-num-seqs", "2",
-        "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+        "--max-num-batched-tokens", str(max_num_batched_tokens),
         "--limit-mm-per-prompt", json.dumps({"image": 1}),
         "--no-enable-prefix-caching",  # or the KV prefix cache hides repeats
         "--chat-template", CHAT_TEMPLATE,
@@ -137,6 +145,7 @@ class Server:
         timeout_s: float = START_TIMEOUT_S,
         role: str = "ec_both",
         nixl: dict[str, Any] | None = None,
+        max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
     ) -> Server:
         """Start the server and wait until ``/health`` answers (kills it on failure);
         ``role`` and ``nixl`` go into the connector's config."""
@@ -149,7 +158,13 @@ class Server:
         log_path = log_path or tempfile.mktemp(prefix="ecoffload-serve-", suffix=".log")
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                server_command(model_dir, port, transfer=transfer, extra=extra_args),
+                server_command(
+                    model_dir,
+                    port,
+                    transfer=transfer,
+                    extra=extra_args,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                ),  # fmt: skip
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -273,19 +288,24 @@ def png_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def chat_messages(image: Any, prompt: str) -> list[dict[str, Any]]:
+    """One user message: ``image`` as a base64 PNG, then ``prompt``."""
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                {"type": "text", "text": prompt},
+            ],
+        }
+    ]
+
+
 def chat(client: Any, image: Any, *, max_tokens: int = 8, prompt: str = "describe") -> str:
     """One greedy chat request with ``image`` as a base64 PNG; the generated text."""
     response = client.chat.completions.create(
         model=SERVED_NAME,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": png_data_url(image)}},
-                    {"type": "text", "text": prompt},
-                ],
-            }
-        ],
+        messages=chat_messages(image, prompt),
         temperature=0.0,
         max_tokens=max_tokens,
         extra_body={"ignore_eos": True},

