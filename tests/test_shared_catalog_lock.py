@@ -53,6 +53,7 @@ def kill_while_holding(path, point):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
+        signal.alarm(60)  # a child a mutant hangs must not outlive the run
         try:
             c = reopen(path)
             c.reserve("w", B)
@@ -120,6 +121,7 @@ def test_a_killed_holder_blocks_a_waiter_until_its_death_then_hands_over(tmp_pat
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
+        signal.alarm(60)  # a child a mutant hangs must not outlive the run
         try:
             child = reopen(path)
             child._lock()
@@ -399,6 +401,7 @@ def test_a_child_forked_while_another_thread_holds_the_lock_waits_for_it(tmp_pat
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child: the owner is the parent's thread, not a copy
+        signal.alarm(60)  # a child a mutant hangs must not outlive the run
         try:
             got = c.lookup("x")  # waits for the parent's thread, then sees its commit
             os.write(w, b"1" if got is not None and c._pid == os.getpid() else b"0")
