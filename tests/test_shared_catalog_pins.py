@@ -29,15 +29,17 @@ def pinned_by_a_child(catalog, keys):
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         signal.alarm(60)  # a child a mutant hangs must not outlive the run
+        code = 1
         try:
             for key in keys:
                 catalog.pin(key)
             os.write(pinned[1], b"x")
             os.read(done[0], 1)
-            for key in keys:
+            for key in keys:  # through whatever the parent left of the pin lists
                 catalog.unpin(key)
+            code = 0
         finally:
-            os._exit(0)
+            os._exit(code)
     try:
         assert os.read(pinned[0], 1) == b"x"
         yield pid
@@ -55,11 +57,14 @@ def ready(catalog, *keys):
         catalog.commit(key)
 
 
+PROBES = ("p0", "p1", "p2", "p3", "p4", "p5")  # READY items free_pin_records pins
+
+
 def free_pin_records(catalog):
     """How many pin records a pin of a new (item, process) pair could still take."""
     taken = []
     with contextlib.suppress(CatalogCapacityError):
-        for key in ("p0", "p1", "p2", "p3", "p4", "p5"):
+        for key in PROBES:
             catalog.pin(key)
             taken.append(key)
     for key in taken:
@@ -69,7 +74,8 @@ def free_pin_records(catalog):
 
 def test_a_batch_that_runs_out_of_pin_records_gives_back_only_its_own_pins(tmp_path):
     c = open_shared(tmp_path / "c", 16, max_items=12, max_pins=4)
-    ready(c, "a", "b", "x", "y", "p0", "p1", "p2", "p3", "p4", "p5")
+    ready(c, "a", "b", "x", "y", *PROBES)
+    recoveries = c.recoveries
     c.pin("a")  # one record of ours on "a", behind the child's once it pins
     with pinned_by_a_child(c, ["a", "x"]):  # two records of the child's
         assert (c.lookup("a").pins, c.lookup("x").pins) == (2, 1)
@@ -85,6 +91,7 @@ def test_a_batch_that_runs_out_of_pin_records_gives_back_only_its_own_pins(tmp_p
         c.check()
     c.check()
     assert [c.lookup(k).pins for k in "abxy"] == [0, 0, 0, 0]
+    assert c.recoveries == recoveries  # a refused call leaves nothing to rebuild
     c.close()
 
 
@@ -92,19 +99,21 @@ def test_unpin_through_a_kept_entry_of_an_evicted_or_reused_slot_is_refused(tmp_
     c = open_shared(tmp_path / "c", 8, max_items=4)
     other = reopen(tmp_path / "c")
     ready(c, "a")
+    recoveries = c.recoveries
     c.pin("a")  # c keeps its entry of "a": slot and generation
     c.unpin("a")
     c.evict("a")  # the slot is free, its generation not yet bumped
-    with pytest.raises(UnknownItemError, match=r"^key 'a' is not in the catalog"):
-        c.unpin("a")
-    with pytest.raises(UnknownItemError, match=r"^key 'a' is not in the catalog"):
-        c.unpin_many(["a"])
+    calls = (c.pin, c.unpin, lambda k: c.unpin_many([k]))
+    for call in calls:
+        with pytest.raises(UnknownItemError, match=r"^key 'a' is not in the catalog"):
+            call("a")
     ready(other, "b")  # the same slot, the next generation
     other.pin("b")
-    for unpin in (c.unpin, lambda k: c.unpin_many([k])):
+    for call in calls:
         with pytest.raises(UnknownItemError, match=r"^key 'a' is not in the catalog"):
-            unpin("a")
+            call("a")
     assert other.lookup("b").pins == 1
+    assert c.recoveries == recoveries
     other.unpin("b")
     c.check()
     other.close()
@@ -169,4 +178,55 @@ def test_a_pin_is_this_process_s_only_if_both_pid_and_start_time_match(tmp_path,
     assert [c.lookup(k).pins for k in "ab"] == [2, 1]
     c.check()
     ghost.close()
+    c.close()
+
+
+def test_a_record_comes_off_the_middle_of_a_list_of_three_processes_records(tmp_path):
+    c = open_shared(tmp_path / "c", 16, max_items=10, max_pins=6)
+    ready(c, "a", "b", "d", *PROBES)  # "d" in slot 2
+    c.pin("a")  # record 0
+    c.pin("b")  # record 1
+    with pinned_by_a_child(c, ["d"]):  # record 2
+        c.pin("d")  # record 3, ahead of the first child's
+        with pinned_by_a_child(c, ["d"]):  # record 4, ahead of ours
+            c.unpin("d")  # ours: unlinked from between the two children's
+            c.check()
+            assert c.lookup("d").pins == 2
+            assert free_pin_records(c) == 2  # record 3 back on the free list, and 5
+            with pytest.raises(ItemStateError, match=r"by this process \(others hold 2"):
+                c.unpin("d")
+        # the children unpinned through the relinked list (each exits 0 only if it could)
+    c.check()
+    assert c.lookup("d").pins == 0 and free_pin_records(c) == 4
+    c.unpin_many(["a", "b"])
+    c.check()
+    c.close()
+
+
+def test_a_pin_that_finds_every_record_taken_reaps_the_dead_processes_records(tmp_path):
+    c = open_shared(tmp_path / "c", 8, max_items=4, max_pins=2)
+    ready(c, "a", "b", "x")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child: pins two items and dies holding them
+        signal.alarm(60)  # a child a mutant hangs must not outlive the run
+        code = 1
+        try:
+            c.pin("a")
+            c.pin("b")
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert [c.lookup(k).pins for k in "ab"] == [1, 1]  # nobody has looked yet
+    assert c.pin("a").pins == 1  # both dead records reaped; "a"'s list holds only ours
+    c.check()
+    assert c.lookup("b").pins == 0
+    assert c.pin("b").pins == 1
+    with pytest.raises(CatalogCapacityError) as err:
+        c.pin("x")
+    assert str(err.value) == (
+        "pin('x'): all 2 pin records are in use; create the catalog with a larger max_pins"
+    )
+    c.unpin_many(["a", "b"])
+    c.check()
     c.close()
