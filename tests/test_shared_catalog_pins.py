@@ -79,8 +79,11 @@ def test_a_batch_that_runs_out_of_pin_records_gives_back_only_its_own_pins(tmp_p
     c.pin("a")  # one record of ours on "a", behind the child's once it pins
     with pinned_by_a_child(c, ["a", "x"]):  # two records of the child's
         assert (c.lookup("a").pins, c.lookup("x").pins) == (2, 1)
-        with pytest.raises(CatalogCapacityError, match=r"all 4 pin records are in use"):
+        with pytest.raises(CatalogCapacityError) as err:
             c.pin_many(["a", "x", "b", "y"])  # a: nested; x: the last record; b: none left
+        assert str(err.value) == (
+            "pin('b'): all 4 pin records are in use; create the catalog with a larger max_pins"
+        )
         c.check()
         assert [c.lookup(k).pins for k in "abxy"] == [2, 0, 1, 0]  # the child's still there
         assert free_pin_records(c) == 1  # the record "x" took is free again
@@ -229,4 +232,31 @@ def test_a_pin_that_finds_every_record_taken_reaps_the_dead_processes_records(tm
     )
     c.unpin_many(["a", "b"])
     c.check()
+    c.close()
+
+
+def test_an_object_that_never_saw_the_item_unpins_this_process_s_pins(tmp_path):
+    c = open_shared(tmp_path / "c", 8, max_items=4)
+    ready(c, "a", "b")
+    c.reserve("w", B)
+    c.pin("a")
+    c.pin("a")
+    c.pin("b")
+    fresh = reopen(tmp_path / "c")  # the same process: its pins are fresh's to undo
+    recoveries = fresh.recoveries
+    for op, call in (("pin", fresh.pin), ("unpin", fresh.unpin),
+                     ("unpin", lambda k: fresh.unpin_many([k]))):  # fmt: skip
+        with pytest.raises(ItemStateError) as err:
+            call("w")
+        assert str(err.value) == f"{op}('w') needs an item in state 'ready', found 'writing'"
+        with pytest.raises(UnknownItemError, match=r"^key 'z' is not in the catalog"):
+            call("z")
+    fresh.unpin_many(["a", "b"])
+    fresh_again = reopen(tmp_path / "c")
+    fresh_again.unpin("a")
+    assert [c.lookup(k).pins for k in "ab"] == [0, 0]
+    assert fresh.recoveries == recoveries
+    c.check()
+    fresh_again.close()
+    fresh.close()
     c.close()
