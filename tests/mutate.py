@@ -133,7 +133,7 @@ MODULES: dict[str, list[str]] = {
         "tests/test_liveness.py",
         "tests/test_shared_catalog.py::test_dead_process_reservations_and_pins_are_released",
     ],
-    "engine/items.py": ["tests/test_catalog.py", "tests/test_integrity.py"],
+    "engine/items.py": ["tests/test_items.py", "tests/test_catalog.py", "tests/test_integrity.py"],
     "engine/shared_cache.py": ["tests/test_cache.py", "tests/test_connector_contract.py"],
 }
 KILLED = {1, 3}
