@@ -242,21 +242,37 @@ def test_an_object_that_never_saw_the_item_unpins_this_process_s_pins(tmp_path):
     c.pin("a")
     c.pin("a")
     c.pin("b")
-    fresh = reopen(tmp_path / "c")  # the same process: its pins are fresh's to undo
-    recoveries = fresh.recoveries
-    for op, call in (("pin", fresh.pin), ("unpin", fresh.unpin),
-                     ("unpin", lambda k: fresh.unpin_many([k]))):  # fmt: skip
+    for op, name in (("pin", "pin"), ("unpin", "unpin"), ("unpin", "unpin_many")):
+        fresh = reopen(tmp_path / "c")  # has seen no key yet: each call looks its key up
+        recoveries = fresh.recoveries
+        call = getattr(fresh, name)
         with pytest.raises(ItemStateError) as err:
-            call("w")
+            call(["w"] if name == "unpin_many" else "w")
         assert str(err.value) == f"{op}('w') needs an item in state 'ready', found 'writing'"
         with pytest.raises(UnknownItemError, match=r"^key 'z' is not in the catalog"):
-            call("z")
+            call(["z"] if name == "unpin_many" else "z")
+        assert fresh.recoveries == recoveries
+        fresh.close()
+    fresh = reopen(tmp_path / "c")  # the same process: its pins are fresh's to undo
     fresh.unpin_many(["a", "b"])
     fresh_again = reopen(tmp_path / "c")
     fresh_again.unpin("a")
     assert [c.lookup(k).pins for k in "ab"] == [0, 0]
-    assert fresh.recoveries == recoveries
     c.check()
     fresh_again.close()
     fresh.close()
+    c.close()
+
+
+def test_unpin_many_of_an_item_not_pinned_here_is_refused_whatever_lies_before_the_records(
+    tmp_path,
+):
+    c = open_shared(tmp_path / "c", 8, max_items=2)
+    last = "k" * c.layout.max_key_bytes  # in the last slot: its key ends where the records begin
+    ready(c, "a", last)
+    for call in (c.unpin, lambda k: c.unpin_many([k])):
+        with pytest.raises(ItemStateError, match=r"^unpin\('a'\): the item is not pinned;"):
+            call("a")
+    assert c.lookup("a").pins == 0
+    c.check()
     c.close()
