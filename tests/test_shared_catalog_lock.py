@@ -10,6 +10,7 @@ mutex left unrecoverable by someone else, or taken twice by one thread, raises
 fresh mutex.
 """
 
+import collections
 import ctypes
 import errno
 import multiprocessing as mp
@@ -33,8 +34,9 @@ from ecoffload.engine.liveness import boot_id
 from ecoffload.engine.shared_catalog import SharedCatalog
 from ecoffload.engine.shared_catalog_format import H_BOOT, H_VERSION, MUTEX_AT, MUTEX_SLOT
 
-UPDATE_POINTS = ["reserve:written", "commit:published", "pin:record", "unpin:record",
-                 "drop:unpublished"]  # fmt: skip
+# "name#2": the point's second pass (a nested pin's count, the last unpin's unlink)
+UPDATE_POINTS = ["reserve:written", "commit:published", "pin:record", "pin:record#2",
+                 "unpin:record", "unpin:record#2", "drop:unpublished"]  # fmt: skip
 
 
 def _child_script(c):
@@ -42,6 +44,8 @@ def _child_script(c):
     c.reserve("c", 2 * B)
     c.commit("c")
     c.pin("c")
+    c.pin("c")
+    c.unpin("c")
     c.unpin("c")
     c.evict("c")
 
@@ -59,8 +63,11 @@ def kill_while_holding(path, point):
             c.reserve("w", B)
             c.pin("a")
 
+            passes = collections.Counter()
+
             def hook(name):
-                if name == point:
+                passes[name] += 1
+                if point in (name, f"{name}#{passes[name]}"):
                     os.write(w, b"x")
                     time.sleep(60)
 

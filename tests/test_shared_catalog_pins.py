@@ -221,10 +221,10 @@ def test_a_pin_that_finds_every_record_taken_reaps_the_dead_processes_records(tm
             os._exit(code)
     assert os.waitpid(pid, 0)[1] == 0
     assert [c.lookup(k).pins for k in "ab"] == [1, 1]  # nobody has looked yet
-    assert c.pin("a").pins == 1  # both dead records reaped; "a"'s list holds only ours
+    assert c.pin("b").pins == 1  # both dead records reaped; "b"'s list (slot 1) holds ours
     c.check()
-    assert c.lookup("b").pins == 0
-    assert c.pin("b").pins == 1
+    assert c.lookup("a").pins == 0
+    assert c.pin("a").pins == 1
     with pytest.raises(CatalogCapacityError) as err:
         c.pin("x")
     assert str(err.value) == (
