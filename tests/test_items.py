@@ -11,8 +11,16 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8,
           torch.float8_e4m3fn]  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def empty_table(monkeypatch):
+    """Every test reads names through torch: the process-wide table starts empty (a
+    forked test process would otherwise inherit the names its parent already read)."""
+    monkeypatch.setattr(items, "_BY_NAME", {})
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_dtype_is_stored_as_its_short_name_and_read_back_as_itself(dtype):
+    assert dtype_name(dtype) not in items._BY_NAME
     name = dtype_name(dtype)
     assert name == str(dtype).split(".", 1)[1] and "torch" not in name
     assert dtype_from_name(name) is dtype
