@@ -5,10 +5,14 @@ The references are independent of the parsing under test: a child's start
 time against /proc/uptime read at its fork, the boot id against ``uuid``.
 """
 
+import io
 import os
 import signal
 import uuid
 
+import pytest
+
+from ecoffload.engine import liveness
 from ecoffload.engine.liveness import alive, boot_id, process_start_time
 
 
@@ -66,3 +70,17 @@ def test_the_boot_id_is_the_two_halves_of_the_kernel_s_boot_uuid():
     expected = tuple(int.from_bytes(raw[i : i + 8], "little", signed=True) for i in (0, 8))
     assert boot_id() == expected
     assert expected != (0, 0)
+
+
+@pytest.mark.parametrize("proc", ["missing", "garbled"])
+def test_without_a_readable_boot_id_the_boot_is_0_0(monkeypatch, proc):
+    """(0, 0) stands for "boot unknown", never an exception at a catalog's open."""
+
+    def fake_open(path, mode="r"):  # a /proc without the file, or with something else in it
+        assert path == "/proc/sys/kernel/random/boot_id" and mode == "rb"
+        if proc == "missing":
+            raise FileNotFoundError(path)
+        return io.BytesIO(b"not a uuid\n")
+
+    monkeypatch.setattr(liveness, "open", fake_open, raising=False)
+    assert boot_id() == (0, 0)
