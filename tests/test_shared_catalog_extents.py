@@ -31,6 +31,7 @@ def placed(catalog, key, blocks):
 
 def test_a_reservation_takes_the_smallest_fit_of_its_class_or_the_next_class_up(tmp_path):
     c = open_shared(tmp_path / "c", 32, max_items=16)
+    assert (c.allocator.num_blocks, c.allocator.block_bytes) == (32, B)
     a5, b4, c6, d3, e8 = carve(c, [5, 4, 6, 3, 8])  # blocks 0, 6, 11, 18, 22; 31 free
     assert (a5, b4, c6, d3, e8) == (0, 6, 11, 18, 22)
     free(c, 0, 2)  # class 4-7, in scan order: 6 at 11, 5 at 0
