@@ -30,20 +30,20 @@ def placed(catalog, key, blocks):
 
 
 def test_a_reservation_takes_the_smallest_fit_of_its_class_or_the_next_class_up(tmp_path):
-    c = open_shared(tmp_path / "c", 32, max_items=16)
-    assert (c.allocator.num_blocks, c.allocator.block_bytes) == (32, B)
-    a5, b4, c6, d3, e8 = carve(c, [5, 4, 6, 3, 8])  # blocks 0, 6, 11, 18, 22; 31 free
-    assert (a5, b4, c6, d3, e8) == (0, 6, 11, 18, 22)
-    free(c, 0, 2)  # class 4-7, in scan order: 6 at 11, 5 at 0
-    assert placed(c, "x", 4) == [(0, 4)]  # 5 fits closer than 6, even at block 0
-    free(c, 1)  # scan: 4 at 6, 6 at 11, 1 left at 4 (class 1)
+    c = open_shared(tmp_path / "c", 48, max_items=20)
+    assert (c.allocator.num_blocks, c.allocator.block_bytes) == (48, B)
+    starts = carve(c, [5, 4, 6, 3, 8, 16])
+    assert starts == [0, 6, 11, 18, 22, 31]  # one separator after each: all 48 taken
+    free(c, 4, 5, 2, 0)  # class 4-7 in scan order: 5 at 0, 6 at 11; 8 at 22; 16 at 31
+    assert placed(c, "x", 4) == [(0, 4)]  # 5 fits closer than the 6 after it, at block 0
+    free(c, 1)  # class 4-7: 4 at 6, 6 at 11
     assert placed(c, "y", 6) == [(11, 6)]  # the exact fit, past a smaller extent
     assert placed(c, "z", 4) == [(6, 4)]
     free(c, 3)
     assert placed(c, "w", 2) == [(18, 2)]  # class 2-3: 3 at 18, cut
-    free(c, 4)
-    assert placed(c, "v", 7) == [(22, 7)]  # no 7 in class 4-7: the class 8-15 head
-    assert c.allocator.free_blocks == 4  # 1 each at 4, 20, 29 (newest first) and 31
+    assert placed(c, "v", 7) == [(22, 7)]  # no 7 in class 4-7: the nearest class up, not 16
+    assert placed(c, "t", 16) == [(31, 16)]
+    assert c.allocator.free_blocks == 3  # 1 each at 4, 20, 29
     assert placed(c, "u", 3) == [(4, 1), (20, 1), (29, 1)]  # no class fits: split, sorted
     c.check()
     c.close()
