@@ -54,5 +54,10 @@ def test_the_own_class_search_looks_at_the_first_8_extents_only(tmp_path):
     starts = carve(c, [4, 5, 7, 7, 7, 7, 7, 7, 7])  # a 13-block tail stays free
     free(c, *range(9))  # scan order: the seven 7s, the 5, then the 4 (9th)
     assert placed(c, "x", 4) == [(starts[1], 4)]  # the 5, 8th: the 4 is past the window
+    assert starts == [0, 5, 11, 19, 27, 35, 43, 51, 59]
+    assert c.allocator.free_blocks == 67  # 4 at 0, 1 at 9, the seven 7s, 13 at 67
+    # No class holds 22: the longest first (13 at 67), the newest 7 (59), 2 cut from 51.
+    assert placed(c, "y", 22) == [(51, 2), (59, 7), (67, 13)]
+    assert c.allocator.free_blocks == 45
     c.check()
     c.close()
