@@ -93,6 +93,7 @@ def test_pin_records_of_two_processes_on_one_item_come_off_in_any_order(tmp_path
     pinned, done = os.pipe(), os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
+        signal.alarm(60)  # a child a mutant hangs must not outlive the run
         try:
             c.pin("a")
             os.write(pinned[1], b"x")
@@ -296,6 +297,7 @@ def test_a_forked_child_uses_an_inherited_catalog_as_itself(tmp_path):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
+        signal.alarm(60)  # a child a mutant hangs must not outlive the run
         try:
             c.commit("x")
             os.write(w, b"1" if c._pid == os.getpid() else b"0")

@@ -11,7 +11,7 @@ victims and reached-state floors, is tests/test_catalog_stateful.py.)
 import os
 import tempfile
 
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -20,6 +20,8 @@ from ecoffload.engine.allocator import BlockAllocator
 from ecoffload.engine.catalog import Catalog, ItemState
 from ecoffload.engine.errors import CatalogError
 
+MUTATION = bool(os.environ.get("ECOFFLOAD_MUTATION"))
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 B = 4096
 NUM_BLOCKS = 32
 KEYS = st.sampled_from([f"k{i}" for i in range(12)])
@@ -151,7 +153,12 @@ class SharedCatalogMachine(CatalogMachine):
         self._dir.cleanup()
 
 
+# `make mutate` (ECOFFLOAD_MUTATION): fewer examples and no shrinking, a mutant only needs
+# a failure; this test is called by nearly every mutant of the shared catalog's modules.
 SharedCatalogMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=60, deadline=None
+    max_examples=30 if MUTATION else 150,
+    stateful_step_count=60,
+    deadline=None,
+    phases=NO_SHRINK if MUTATION else tuple(Phase),
 )
 TestSharedCatalogStateful = SharedCatalogMachine.TestCase
