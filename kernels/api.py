@@ -29,7 +29,7 @@ import torch
 from . import native
 from .block_copy import KernelVariant, _block_copy_kernel, compile_variants, launch_block_copy
 from .nvtx import nvtx_range
-from .plan import VEC_WIDTHS, CopyPlan, PlanError, Tables, plan_copy
+from .plan import VEC_WIDTHS, CopyPlan, PlanError, Tables, plan_copy, plan_in_c
 from .reference import byte_view, reference_pack, reference_unpack
 
 Backend = Literal["auto", "triton", "reference"]
@@ -358,7 +358,13 @@ def _plan(
         base, offsets, nbytes = tensors.buffer, tensors.offsets, tensors.nbytes
         span = base.numel()
     else:
-        base, offsets, nbytes, span = _item_layout(list(tensors))
+        tensors = list(tensors)
+        c_pass = native.planner() if config.dma_min_bytes is None else None
+        if c_pass is not None:  # the usual step: both passes in C, no Python between them
+            planned = _plan_in_c(c_pass, tensors, tables, arena, block_bytes, config)
+            if planned is not None:
+                return planned
+        base, offsets, nbytes, span = _item_layout(tensors)
     plan = plan_copy(
         offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
         items_bytes=span, tile_bytes=config.tile_bytes, num_programs=config.num_programs,
@@ -366,6 +372,23 @@ def _plan(
         dma_min_bytes=config.dma_min_bytes,
     )  # fmt: skip
     return base, offsets, plan
+
+
+def _plan_in_c(
+    c_pass, tensors: list[torch.Tensor], tables: Tables, arena: torch.Tensor, block_bytes: int,
+    config: LaunchConfig,
+) -> tuple[torch.Tensor | None, list[int], CopyPlan] | None:
+    """:func:`_plan`'s answer from the C pass alone, or None where it declines (then
+    :func:`_plan` goes the long way, which names what is wrong)."""
+    found = c_pass.item_layout(tensors)
+    if found is None:
+        return None
+    lowest, offsets, nbytes, span = found
+    base = tensors[lowest].flatten().view(torch.uint8) if lowest >= 0 else None
+    plan = plan_in_c(c_pass, offsets, nbytes, tables, block_bytes, arena.numel(), span,
+                     config.tile_bytes, base.data_ptr() if base is not None else 0,
+                     arena.data_ptr(), config.num_programs)  # fmt: skip
+    return None if plan is None else (base, offsets, plan)
 
 
 def _item_layout(
