@@ -600,17 +600,30 @@ def test_items_name_this_process_by_pid_and_start_time(tmp_path, monkeypatch):
     c.close()
 
 
-def test_the_fork_hook_gives_every_live_catalog_object_the_child_s_identity(tmp_path):
-    """What a forked child runs (``os.register_at_fork``): every catalog object still alive
-    learns the process's pid and start time again."""
+def test_the_fork_hook_gives_every_live_catalog_object_the_child_s_identity(
+    tmp_path, monkeypatch
+):
+    """What a forked child runs (``os.register_at_fork``): every catalog object still alive,
+    and its C fast path, learn the process's pid and start time again."""
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")
     one = open_shared(tmp_path / "c", 8)
     two = reopen(tmp_path / "c")
+    assert one._fast is not None and two._fast is not None, "the C fast paths are not built"
+    one.reserve("x", B)
+    one.commit("x")  # READY and seen by one: its pins go the C way
     for c in (one, two):  # as the parent's copies carry them into the child
         c._pid, c._start = 1, 1
+        c._fast.identify(1, 1)
     shared_catalog_lock._after_fork_in_child()
     me = (os.getpid(), process_start_time(os.getpid()))
     assert (one._pid, one._start) == (two._pid, two._start) == me
-    two.reserve("x", B)
-    assert two.entry("x").producer == me
+    two.reserve("y", B)
+    assert two.entry("y").producer == me
+    pins = one._fast.pins
+    assert one.lookup("x", pin=True).pins == 1 and one._fast.pins == pins + 1  # in C
+    monkeypatch.setattr(fault_points, "hook", lambda name: None)  # the Python way only
+    one.unpin("x")  # finds the C path's pin record under this process's identity
+    monkeypatch.setattr(fault_points, "hook", None)
+    one.check()
     two.close()
     one.close()
