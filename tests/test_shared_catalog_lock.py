@@ -13,6 +13,7 @@ fresh mutex.
 import collections
 import ctypes
 import errno
+import logging
 import multiprocessing as mp
 import os
 import platform
@@ -26,11 +27,17 @@ import pytest
 from test_catalog import B, open_shared
 from test_shared_catalog import reopen
 
-from ecoffload.engine import fault_points, robust_mutex, shared_catalog, shared_catalog_lock
+from ecoffload.engine import (
+    fault_points,
+    robust_mutex,
+    shared_catalog,
+    shared_catalog_lock,
+    shared_catalog_native,
+)
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogLockError
-from ecoffload.engine.liveness import boot_id
+from ecoffload.engine.liveness import boot_id, process_start_time
 from ecoffload.engine.shared_catalog import SharedCatalog
 from ecoffload.engine.shared_catalog_format import H_BOOT, H_VERSION, MUTEX_AT, MUTEX_SLOT
 
@@ -96,8 +103,25 @@ def _setup(path):
     return c
 
 
+LOG = "ecoffload.engine.shared_catalog"
+
+
+def taken_over(path, inside: bool) -> str:
+    """The warning of a locker that took the lock over from a dead holder."""
+    pending = "inside an update: rebuilding" if inside else "no update pending"
+    return (
+        f"catalog {path}: its lock's holder (a process or thread) died holding it "
+        f"({pending}); taken over"
+    )
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOG and r.levelname == "WARNING"]
+
+
 @pytest.mark.parametrize("point", [*UPDATE_POINTS, "holding"])
-def test_a_holder_killed_holding_the_lock_is_taken_over_by_the_next_locker(tmp_path, point):
+def test_a_holder_killed_holding_the_lock_is_taken_over_by_the_next_locker(tmp_path, point, caplog):
+    caplog.set_level("WARNING", logger=LOG)
     path = tmp_path / "c"
     c = _setup(path)
     recoveries = c.recoveries
@@ -106,6 +130,7 @@ def test_a_holder_killed_holding_the_lock_is_taken_over_by_the_next_locker(tmp_p
     assert c.lock_deaths == 1
     inside = point != "holding"
     assert c.recoveries == recoveries + inside  # rebuilt only if it died inside an update
+    assert warnings_of(caplog) == [taken_over(path, inside)]
     other = reopen(path)  # a new process would: reaps the dead child's reservation and pin
     other.check()
     assert (other.state("w"), other.entry("a").pins, other.entry("b").pins) == (None, 0, 1)
@@ -434,3 +459,171 @@ def test_a_child_forked_while_another_thread_holds_the_lock_waits_for_it(tmp_pat
     assert c.lock_deaths == 0
     c.check()
     c.close()
+
+
+@pytest.mark.parametrize("locker", ["python", "c"])
+def test_every_holder_s_death_is_counted_and_logged_by_the_locker_that_meets_it(
+    tmp_path, monkeypatch, caplog, locker
+):
+    """Two holders die one after the other (outside an update, then inside one): each death
+    is counted and logged once, whether the Python way meets it or a C hit (which hands
+    the mutex, marked consistent, to the Python way)."""
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1" if locker == "c" else "0")
+    caplog.set_level("WARNING", logger=LOG)
+    path = tmp_path / "c"
+    c = _setup(path)  # "a" and "b" READY and seen by c
+    fast = c._fast
+    assert (fast is not None) == (locker == "c"), "the C fast paths are not built"
+    recoveries, slow = c.recoveries, fast and fast.slow
+    for deaths, point in enumerate(["holding", "commit:published"], start=1):
+        kill_while_holding(path, point)
+        assert c.lookup("a").key == "a"
+        assert c.lock_deaths == deaths
+    assert c.recoveries == recoveries + 1  # only the second holder died inside an update
+    assert warnings_of(caplog) == [taken_over(path, False), taken_over(path, True)]
+    assert (fast and fast.slow) == slow  # the C path met both deaths itself
+    c.unpin("b")
+    c.check()
+    c.close()
+
+
+class Interrupt(Exception):
+    """What a signal handler or a log handler raises in the middle of taking the lock."""
+
+
+class _RaisingHandler(logging.Handler):
+    def emit(self, record):
+        raise Interrupt(record.getMessage())
+
+
+class _InterruptedConsistent:
+    """robust_mutex.PT whose first ``pthread_mutex_consistent`` is interrupted before the
+    call, as by a signal handler that raises."""
+
+    def __init__(self, lib):
+        self.lib, self.interrupted = lib, False
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def pthread_mutex_consistent(self, mx):
+        if not self.interrupted:
+            self.interrupted = True
+            raise Interrupt("before pthread_mutex_consistent")
+        return self.lib.pthread_mutex_consistent(mx)
+
+
+@pytest.mark.parametrize("when", ["before consistent", "in the warning"])
+def test_an_exception_while_taking_over_releases_the_lock_consistent(tmp_path, monkeypatch, when):
+    """An exception that arrives while a locker takes the lock over from a dead holder
+    (before marking it consistent, or from the warning's log handler) leaves the mutex
+    consistent and released: this thread and others take it again at once."""
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "0")
+    path = tmp_path / "c"
+    c = _setup(path)
+    kill_while_holding(path, "holding")
+    logger = logging.getLogger(LOG)
+    handler = _RaisingHandler()
+    if when == "in the warning":
+        logger.addHandler(handler)
+    else:
+        monkeypatch.setattr(robust_mutex, "PT", _InterruptedConsistent(robust_mutex.PT))
+    try:
+        with pytest.raises(Interrupt):
+            c.state("a")
+    finally:
+        logger.removeHandler(handler)
+    got = []
+    t = threading.Thread(target=lambda: got.append(c.state("a")), daemon=True)
+    t.start()
+    t.join(5)  # a free mutex is taken at once
+    assert got == [ItemState.READY], "another thread found the lock still held"
+    assert c.state("a") is ItemState.READY  # not EDEADLK: this thread let it go too
+    # counted before the warning; an interruption before consistent leaves it uncounted
+    assert c.lock_deaths == (when == "in the warning")
+    c.unpin("b")
+    c.check()
+    c.close()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="writes glibc's mutex kind")
+@pytest.mark.parametrize("locker", ["python", "c"])
+def test_an_unexpected_error_of_the_mutex_is_named_with_its_code(tmp_path, monkeypatch, locker):
+    """A mutex whose kind word was overwritten (no valid pthread type: glibc answers EINVAL)
+    is refused with the file, the call and the error's name and text, by either path."""
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1" if locker == "c" else "0")
+    path = tmp_path / "c"
+    c = _setup(path)
+    assert (c._fast is not None) == (locker == "c"), "the C fast paths are not built"
+    kind = ctypes.c_int.from_address(c._mx.value + 16)  # int __lock, __count, __owner, __nusers
+    was, kind.value = kind.value, 0x87  # process-shared, type 7: no such type
+    try:
+        with pytest.raises(CatalogLockError) as err:
+            c.lookup("a")
+    finally:
+        kind.value = was
+    assert str(err.value) == (
+        f"catalog {path}: pthread_mutex_timedlock failed with EINVAL: Invalid argument"
+    )
+    assert c.lookup("a").key == "a" and c.lock_deaths == 0
+    c.unpin("b")
+    c.check()
+    c.close()
+
+
+def test_releasing_a_lock_this_thread_does_not_hold_is_refused(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    with pytest.raises(CatalogLockError) as err:
+        c._unlock()
+    assert str(err.value) == (
+        f"catalog {tmp_path / 'c'}: this thread released a lock it does not hold (a bug)"
+    )
+    c._lock()
+    c._unlock()  # held: released without a word
+    c.check()
+    c.close()
+
+
+def test_items_name_this_process_by_pid_and_start_time(tmp_path, monkeypatch):
+    """Reservations carry (pid, start time); 0 where /proc does not tell the start time
+    (``alive`` then checks the pid alone)."""
+    c = open_shared(tmp_path / "c", 8)
+    start = process_start_time(os.getpid())
+    assert start
+    c.reserve("x", B)
+    assert c.entry("x").producer == (os.getpid(), start)
+    monkeypatch.setattr(shared_catalog_lock, "process_start_time", lambda pid: None)
+    d = reopen(tmp_path / "c")
+    d.reserve("y", B)
+    assert d.entry("y").producer == (os.getpid(), 0)
+    d.close()
+    c.close()
+
+
+def test_the_fork_hook_gives_every_live_catalog_object_the_child_s_identity(
+    tmp_path, monkeypatch
+):
+    """What a forked child runs (``os.register_at_fork``): every catalog object still alive,
+    and its C fast path, learn the process's pid and start time again."""
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")
+    one = open_shared(tmp_path / "c", 8)
+    two = reopen(tmp_path / "c")
+    assert one._fast is not None and two._fast is not None, "the C fast paths are not built"
+    one.reserve("x", B)
+    one.commit("x")  # READY and seen by one: its pins go the C way
+    for c in (one, two):  # as the parent's copies carry them into the child
+        c._pid, c._start = 1, 1
+        c._fast.identify(1, 1)
+    shared_catalog_lock._after_fork_in_child()
+    me = (os.getpid(), process_start_time(os.getpid()))
+    assert (one._pid, one._start) == (two._pid, two._start) == me
+    two.reserve("y", B)
+    assert two.entry("y").producer == me
+    pins = one._fast.pins
+    assert one.lookup("x", pin=True).pins == 1 and one._fast.pins == pins + 1  # in C
+    monkeypatch.setattr(fault_points, "hook", lambda name: None)  # the Python way only
+    one.unpin("x")  # finds the C path's pin record under this process's identity
+    monkeypatch.setattr(fault_points, "hook", None)
+    one.check()
+    two.close()
+    one.close()
