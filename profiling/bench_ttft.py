@@ -77,6 +77,7 @@ class FirstToken:
     total_seconds: float  # send -> end of the stream
     token_ids: list[int]
     prompt_token_ids: list[int]
+    arrivals: list[float] = field(default_factory=list)  # send -> each chunk with token ids
 
 
 def stream_first_token(
@@ -95,12 +96,15 @@ def stream_first_token(
     first: float | None = None
     token_ids: list[int] = []
     prompt_token_ids: list[int] = []
+    arrivals: list[float] = []
     for chunk in stream:
         prompt_token_ids = (chunk.model_extra or {}).get("prompt_token_ids") or prompt_token_ids
         for choice in chunk.choices:
             ids = (choice.model_extra or {}).get("token_ids") or []
-            if ids and first is None:
-                first = time.perf_counter() - t0
+            if ids:
+                arrivals.append(time.perf_counter() - t0)
+                if first is None:
+                    first = arrivals[-1]
             token_ids += ids
     total = time.perf_counter() - t0
     if first is None:
@@ -108,7 +112,7 @@ def stream_first_token(
             "expected a streamed chunk carrying generated token ids (return_token_ids), "
             "found none: does this vLLM stream token_ids?"
         )
-    return FirstToken(first, total, token_ids, prompt_token_ids)
+    return FirstToken(first, total, token_ids, prompt_token_ids, arrivals)
 
 
 @dataclass

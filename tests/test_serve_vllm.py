@@ -156,8 +156,13 @@ def test_time_to_first_token_is_taken_at_the_first_generated_token(served, image
     assert first.token_ids == reference.choices[0].model_extra["token_ids"]
     assert len(first.token_ids) == many
     assert first.prompt_token_ids.count(image_token_id()) == NUM_IMAGE_TOKENS
-    # One token is a prefill and a step; 63 more are 63 decode steps.
-    assert 0 < first.seconds < first.total_seconds / 2
+    # The clock stops at the first chunk carrying tokens, not a later one. (No ratio of
+    # times: vLLM may hand a slow reader many tokens in one chunk; 0.406 of 0.421 s
+    # was seen for the first of 64 on a loaded CI machine.)
+    assert first.arrivals and first.arrivals == sorted(first.arrivals)
+    assert 0 < first.seconds == first.arrivals[0] <= first.total_seconds
+    if len(first.arrivals) > 1:
+        assert first.seconds < first.arrivals[-1]
 
 
 def test_sigint_under_load_answers_every_request_and_leaves_nothing(served, images):

@@ -165,6 +165,8 @@ def test_a_pin_is_this_process_s_only_if_both_pid_and_start_time_match(tmp_path,
         ghost._start = c._start + 1
     else:  # a process started in the same clock tick as this one
         ghost._pid = c._pid + 1
+    if ghost._fast is not None:  # its C fast path carries the identity too
+        ghost._fast.identify(ghost._pid, ghost._start)
     ghost.pin("a")
     ghost.pin("b")
     c.pin("b")  # a record of our own, ahead of the ghost's
