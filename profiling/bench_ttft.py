@@ -239,7 +239,7 @@ def _serve_and_measure(
             p, o = both(index, index)
             result.plain_first.append(p.seconds)
             result.offload_first.append(o.seconds)
-        saved = _wait_for_metric(offload, SAVED_METRIC, images + 1)  # + the warm-up image
+        saved = offload.wait_for_metric(SAVED_METRIC, images + 1)  # + the warm-up image
         loaded_before = saved.get(LOADED_METRIC, 0.0)
         for r in range(result.rounds):
             for index in range(images):
@@ -248,7 +248,7 @@ def _serve_and_measure(
                 result.offload_repeat.append(o.seconds)
         result.items_saved = saved.get(SAVED_METRIC, 0.0)
         repeats = len(result.offload_repeat)
-        metrics = _wait_for_metric(offload, LOADED_METRIC, loaded_before + repeats)
+        metrics = offload.wait_for_metric(LOADED_METRIC, loaded_before + repeats)
         result.items_loaded = metrics.get(LOADED_METRIC, 0.0) - loaded_before
         result.tokens_identical = tokens["plain"] == tokens["offload"]
         for server in (offload, plain):
@@ -259,18 +259,6 @@ def _serve_and_measure(
 
 def _shm_or_tmp() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
-
-
-def _wait_for_metric(
-    server: Server, name: str, at_least: float, timeout_s: float = 15.0
-) -> dict[str, float]:
-    """Connector stats reach /metrics with the engine's step outputs: poll, bounded."""
-    deadline = time.monotonic() + timeout_s
-    metrics = server.metrics()
-    while metrics.get(name, 0.0) < at_least and time.monotonic() < deadline:
-        time.sleep(0.5)
-        metrics = server.metrics()
-    return metrics
 
 
 def embed_seconds(worker: Any, runs: int) -> dict[str, Any]:

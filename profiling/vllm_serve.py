@@ -216,6 +216,17 @@ class Server:
         """``/metrics`` as {sample name: value summed over labels}."""
         return parse_metrics(self.metrics_text(timeout_s))
 
+    def wait_for_metric(self, name: str, at_least: float,
+                        timeout_s: float = 15.0) -> dict[str, float]:  # fmt: skip
+        """``/metrics`` once ``name`` reaches ``at_least``, or at ``timeout_s`` (the
+        connector's stats reach it with the engine's step outputs: polled, bounded)."""
+        deadline = time.monotonic() + timeout_s
+        metrics = self.metrics()
+        while metrics.get(name, 0.0) < at_least and time.monotonic() < deadline:
+            time.sleep(0.5)
+            metrics = self.metrics()
+        return metrics
+
     def interrupt(self, timeout_s: float = 10.0, *, group: bool = True) -> float:
         """SIGINT (to the process group, as Ctrl-C does; or the main process only).
 

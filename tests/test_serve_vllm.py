@@ -15,7 +15,6 @@ part five times.
 """
 
 import os
-import time
 import uuid
 
 import pytest
@@ -67,16 +66,6 @@ def without_connector(model_dir, images, tmp_path_factory):
         return [chat(client, images[i]) for i in ORDER]
 
 
-def wait_for_metric(server, name, at_least, timeout_s=15.0):
-    """Stats reach /metrics with the engine's step outputs: poll, bounded."""
-    deadline = time.monotonic() + timeout_s
-    metrics = server.metrics()
-    while metrics.get(name, 0) < at_least and time.monotonic() < deadline:
-        time.sleep(0.5)
-        metrics = server.metrics()
-    return metrics
-
-
 def environ_of(pid):
     with open(f"/proc/{pid}/environ", "rb") as f:
         pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
@@ -119,7 +108,7 @@ def test_serve_repeats_from_the_arena(served, without_connector):
     assert len(set(without_connector[:IMAGES])) == IMAGES  # the images matter to the text
     assert texts == without_connector
 
-    metrics = wait_for_metric(server, "vllm:ecoffload_items_loaded_total", REPEATS)
+    metrics = server.wait_for_metric("vllm:ecoffload_items_loaded_total", REPEATS)
     assert metrics["vllm:ecoffload_items_loaded_total"] >= REPEATS, server.log()
     assert metrics["vllm:ecoffload_hits_total"] >= REPEATS
     assert metrics["vllm:ecoffload_items_saved_total"] == IMAGES
