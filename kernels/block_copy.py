@@ -45,7 +45,7 @@ class KernelVariant(NamedTuple):
 
 @triton.jit(do_not_specialize_on_alignment=["items_ptr", "arena_ptr", "seg_ptr", "prog_ptr"])
 def _block_copy_kernel(
-    items_ptr,  # uint8, flat items buffer
+    items_ptr,  # uint8, the items' base (only its address is read)
     arena_ptr,  # uint8, flat arena
     seg_ptr,  # int64 [S, 4]: item_offset, arena_offset, nbytes, first_tile
     prog_ptr,  # int64 [P, 3]: first_segment, tile_begin, tile_end
@@ -95,18 +95,26 @@ def launch_block_copy(
     to_arena: bool,
     num_warps: int,
 ) -> None:
-    """Run one planned copy; ``items`` and ``arena`` are flat uint8 tensors on one device.
+    """Run one planned copy; ``items`` and ``arena`` are contiguous uint8 tensors on one
+    device (``arena`` flat).
 
-    ``items`` is the base the plan's item offsets count from; the segments may
-    address bytes past its end (other tensors of the batch on the same device).
-    The grid is the plan's program count. On CUDA the launch table goes up
-    from page-locked memory (:func:`upload_table`): the host never waits.
+    ``items`` is the base the plan's item offsets count from: only its address
+    and device are read, so any shape will do (the engine passes the lowest
+    item viewed as uint8, not flattened: one torch call less per step), and
+    the segments may address bytes past its end (other tensors of the batch on
+    the same device). The grid is the plan's program count. On CUDA the launch
+    table goes up from page-locked memory (:func:`upload_table`): the host
+    never waits.
     """
-    for name, t in (("items", items), ("arena", arena)):
-        if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(
-                f"{name} must be a flat contiguous uint8 tensor, got {t.dtype} {tuple(t.shape)}"
-            )
+    if items.dtype != torch.uint8 or not items.is_contiguous():
+        raise ValueError(
+            f"items must be a contiguous uint8 tensor, got {items.dtype} {tuple(items.shape)}"
+        )
+    if arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous():
+        raise ValueError(
+            f"arena must be a flat contiguous uint8 tensor, got {arena.dtype} "
+            f"{tuple(arena.shape)}"
+        )
     if items.device != arena.device:
         raise ValueError(f"items are on {items.device} but the arena is on {arena.device}")
     if num_warps <= 0:

@@ -11,11 +11,13 @@ from ecoffload.kernels import (
     PlanError,
     empty_items,
     pack,
+    plan_batch,
     reference_pack,
     triton_available,
     unpack,
 )
 from ecoffload.kernels import api as kernels_api
+from ecoffload.kernels.block_copy import launch_block_copy
 
 B = 4096
 POISON = 0xA5
@@ -238,11 +240,51 @@ def test_offsets_count_from_the_lowest_non_empty_tensor(empty_first):
     high, empty, low = buffer[600:700], buffer[0:0], buffer[200:300].view(torch.int16)
     items = [empty, high, low] if empty_first else [high, low, empty]
     base, offsets, sizes, span = kernels_api._item_layout(items)
-    assert base.data_ptr() == low.data_ptr() and base.dtype == torch.uint8 and base.dim() == 1
+    assert base.data_ptr() == low.data_ptr() and base.dtype == torch.uint8
+    assert base.numel() == low.nbytes and base.is_contiguous()
     want = {id(high): 400, id(empty): 0, id(low): 0}
     assert offsets == [want[id(t)] for t in items]
     assert sizes == [t.nbytes for t in items] and span == 500
     assert kernels_api._item_layout([empty, empty])[0] is None
+
+
+@pytest.mark.parametrize(
+    "shape, strides, dtype",
+    [((196, 64), (64, 1), torch.bfloat16), ((), (), torch.float32), ((4, 1), (1, 7), torch.float32),
+     ((3, 0), (1, 1), torch.float16), ((2, 3, 4), (12, 4, 1), torch.uint8)],
+    ids=["rows", "0-d", "last-dim-1-odd-stride", "empty", "uint8"],
+)
+def test_the_items_base_is_one_uint8_view_over_the_lowest_item_s_bytes(shape, strides, dtype):
+    """The base the kernel counts offsets from is the item's own memory as uint8 (the
+    launch reads its address and device only); a shape torch cannot view as bytes in
+    place (0-d, a size-1 last dimension of another stride) is flattened first."""
+    t = torch.empty_strided(shape, strides, dtype=dtype, device=DEVICE)
+    base = kernels_api._byte_view_of(t)
+    assert (base.dtype, base.data_ptr(), base.numel()) == (torch.uint8, t.data_ptr(), t.nbytes)
+    assert base.is_contiguous()
+
+
+def test_a_launch_takes_a_base_of_any_shape_and_refuses_one_it_cannot_address():
+    """A 2-D uint8 base (the engine's view of a (rows, hidden) item) copies like a
+    flat one; a base of another dtype or with gaps, or an arena not flat, is refused
+    by name before anything runs."""
+    item = torch.arange(3 * B // 8, dtype=torch.int32, device=DEVICE).view(-1, 256)
+    arena = torch.full((4 * B,), POISON, dtype=torch.uint8, device=DEVICE)
+    base, plan = plan_batch([item], [[(1, 2)]], arena, B)
+    assert base.dim() == 2
+    launch_block_copy(base, arena, plan, to_arena=True, num_warps=4)
+    assert torch.equal(arena[B : B + item.nbytes], item.reshape(-1).view(torch.uint8))
+    assert (arena[:B] == POISON).all() and (arena[B + item.nbytes :] == POISON).all()
+    refused = [
+        (item, arena, "items must be a contiguous uint8 tensor, got torch.int32 (6, 256)"),
+        (base.t(), arena, "items must be a contiguous uint8 tensor, got torch.uint8 (1024, 6)"),
+        (base, arena.view(2, -1),
+         f"arena must be a flat contiguous uint8 tensor, got torch.uint8 (2, {2 * B})"),
+    ]  # fmt: skip
+    for items_base, arena_view, message in refused:
+        with pytest.raises(ValueError) as caught:
+            launch_block_copy(items_base, arena_view, plan, to_arena=True, num_warps=4)
+        assert str(caught.value) == message
 
 
 def test_tensor_on_another_device_is_refused():
