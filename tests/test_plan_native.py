@@ -72,7 +72,8 @@ def agree(c_pass, args, num_programs=8):
         assert rest == want_rest
 
 
-@pytest.mark.parametrize("tile_bytes", [1024, 4096, 16384, 1 << 40])
+# A power-of-two tile is counted with shifts, any other with a division: both.
+@pytest.mark.parametrize("tile_bytes", [1000, 1024, 3000, 4096, 16384, 1 << 40])
 @pytest.mark.parametrize("seed", range(40))
 def test_few_extent_steps_give_the_loop_s_table(c_pass, seed, tile_bytes):
     args = small.args_of(*small.step(seed), tile_bytes=tile_bytes)
