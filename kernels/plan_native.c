@@ -198,7 +198,7 @@ static PyObject *plan_step_core(const step_t *st, const params_t *pr) {
 
     /* Tiles per segment: whole VEC words in TILE_BYTES tiles, a tail of < VEC bytes in one
      * more. VEC is a power of two, and so is any usual tile size: shifts, not one 64-bit
-     * division per segment (~2/3 of a 2,000-extent step's plan went to three of them). */
+     * division per segment (about half of a sorted 2,000-extent plan went to three). */
     int64_t vec = (int64_t)(bits & (~bits + 1));
     int tile_shift = (tile_bytes & (tile_bytes - 1)) == 0 ? __builtin_ctzll(tile_bytes) : -1;
     int64_t tiles = 0;
