@@ -176,6 +176,12 @@ def real_path_rows(repeat: int, directory: str) -> list[dict]:
     return rows
 
 
+# Planning rows take at least this many interleaved pairs: a 2,000-extent step had 5
+# (--repeat 60), and its ratio to the anchor ranged 8.7x-21.9x over five runs of a
+# quiet machine; 25 pairs of a ~5 ms anchor cost well under a second a row.
+PLANNING_SAMPLES = 25
+
+
 def planning_rows(steps, name: str, catalog: str, count: int, n: int) -> list[dict]:
     """The mover's planning (item layout, validation, segment and program rows) of the
     tables the catalog hands out for the step, interleaved with the anchor's."""
@@ -195,7 +201,7 @@ def planning_rows(steps, name: str, catalog: str, count: int, n: int) -> list[di
     ):
         calls = [partial(old, first, anchor_tables, arena, block),
                  lambda new=new, first=first: new(first, tables_of(entries), arena, block)]
-        t_old, t_new = timed_side_by_side(calls, n)
+        t_old, t_new = timed_side_by_side(calls, max(n, PLANNING_SAMPLES))
         rows.append(dict(group="planning the catalog's tables", step=name, catalog=catalog,
                          direction=direction, extents=count, before_us=t_old * 1e6,
                          now_us=t_new * 1e6, ratio=t_old / t_new))  # fmt: skip
