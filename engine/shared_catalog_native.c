@@ -135,6 +135,30 @@ static int enter(pthread_mutex_t *mx, int64_t *w) {
     return 0;
 }
 
+/* The region's words with the mutex taken without waiting (enter): LOCKED, with *w and
+ * *mx set and buf to release after unlocking; or not held and buf released: SLOW (the
+ * caller goes to Python), a trylock code > 0 that Python answers (EOWNERDEAD: held,
+ * consistent, handed over), or FAILED with a Python error set (a closed catalog). */
+enum { LOCKED = 0, FAILED = -1, SLOW = -2 };
+static int lock_words(HitPath *self, Py_buffer *buf, int64_t **w, pthread_mutex_t **mx) {
+    if (PyObject_GetBuffer(self->words, buf, PyBUF_SIMPLE)) return FAILED;
+    *w = (int64_t *)buf->buf;
+    int rc = SLOW;
+    if (buf->len / 8 >= self->need_words) {
+        *mx = (pthread_mutex_t *)((char *)buf->buf + MUTEX_AT);
+        rc = enter(*mx, *w);
+        if (rc == LOCKED) return LOCKED;
+        if (rc < 0) rc = SLOW;
+    }
+    PyBuffer_Release(buf);
+    return rc;
+}
+
+/* lock_words' answer when it is not LOCKED: NULL (an error), the Python path, or the code. */
+static PyObject *not_locked(HitPath *self, int rc) {
+    return rc == FAILED ? NULL : rc == SLOW ? slow(self) : PyLong_FromLong(rc);
+}
+
 /* This process's pin record of the slot at word b (-1: none) and the record before it
  * in the slot's list (-1: the head); -2 when the list leaves the region or loops. */
 static int64_t my_record(HitPath *self, const int64_t *w, int64_t b, int64_t *prev) {
@@ -162,20 +186,11 @@ static PyObject *hit_or_pin(HitPath *self, PyObject *key, int flags) {
     if (hook_set(self)) return slow(self);
     entry = seen_ready(self, key, 1, &s, &gen);
     if (entry == NULL) return PyErr_Occurred() ? NULL : slow(self);
-    if (PyObject_GetBuffer(self->words, &buf, PyBUF_SIMPLE)) {
+    rc = lock_words(self, &buf, &w, &mx);
+    if (rc != LOCKED) {
         Py_DECREF(entry);
-        return NULL; /* a closed catalog: its view is released */
+        return not_locked(self, rc);
     }
-    w = (int64_t *)buf.buf;
-    if (buf.len / 8 < self->need_words) goto slow_path;
-    mx = (pthread_mutex_t *)((char *)buf.buf + MUTEX_AT);
-    rc = enter(mx, w);
-    if (rc > 0) {
-        PyBuffer_Release(&buf);
-        Py_DECREF(entry);
-        return PyLong_FromLong(rc);
-    }
-    if (rc) goto slow_path;
     b = self->sl + s * SLOT_WORDS;
     if (w[b + S_GEN] != gen || w[b + S_STATE] != READY) goto unlock_slow;
     /* Everything that could send it the Python way is checked before the first write. */
@@ -259,7 +274,6 @@ static PyObject *hit_or_pin(HitPath *self, PyObject *key, int flags) {
     return entry;
 unlock_slow:
     pthread_mutex_unlock(mx);
-slow_path:
     PyBuffer_Release(&buf);
     Py_DECREF(entry);
     return slow(self);
@@ -304,16 +318,8 @@ static PyObject *hp_unpin(HitPath *self, PyObject *keys) {
         Py_DECREF(entry);
     }
     Py_DECREF(seq);
-    if (PyObject_GetBuffer(self->words, &buf, PyBUF_SIMPLE)) return NULL;
-    w = (int64_t *)buf.buf;
-    if (buf.len / 8 < self->need_words) goto slow_path;
-    mx = (pthread_mutex_t *)((char *)buf.buf + MUTEX_AT);
-    rc = enter(mx, w);
-    if (rc > 0) {
-        PyBuffer_Release(&buf);
-        return PyLong_FromLong(rc);
-    }
-    if (rc) goto slow_path;
+    rc = lock_words(self, &buf, &w, &mx);
+    if (rc != LOCKED) return not_locked(self, rc);
     for (i = 0; i < n; i++) { /* still the reservation seen, still READY? */
         int64_t b = self->sl + slots[i] * SLOT_WORDS;
         if (w[b + S_GEN] != gens[i] || w[b + S_STATE] != READY) goto unlock_slow;
@@ -359,7 +365,6 @@ static PyObject *hp_unpin(HitPath *self, PyObject *keys) {
     Py_RETURN_TRUE;
 unlock_slow:
     pthread_mutex_unlock(mx);
-slow_path:
     PyBuffer_Release(&buf);
     return slow(self);
 }
