@@ -185,7 +185,7 @@ class LockProtocol:
                 "from inside another, e.g. from a fault hook or signal handler, or through "
                 "a second catalog object of the same file)"
             )
-        raise CatalogLockError(
-            f"catalog {self.path}: pthread_mutex_timedlock failed with "
+        raise CatalogLockError(  # trylock's answer or timedlock's: the message names neither
+            f"catalog {self.path}: locking its mutex failed with "
             f"{errno.errorcode.get(rc, rc)}: {os.strerror(rc)}"
         )

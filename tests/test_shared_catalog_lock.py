@@ -563,7 +563,7 @@ def test_an_unexpected_error_of_the_mutex_is_named_with_its_code(tmp_path, monke
     finally:
         kind.value = was
     assert str(err.value) == (
-        f"catalog {path}: pthread_mutex_timedlock failed with EINVAL: Invalid argument"
+        f"catalog {path}: locking its mutex failed with EINVAL: Invalid argument"
     )
     assert c.lookup("a").key == "a" and c.lock_deaths == 0
     c.unpin("b")
