@@ -180,7 +180,8 @@ class SchedulerSide:
             saves={key: SaveSpec(i, nbytes, generation)
                    for i, (key, (nbytes, generation, _)) in enumerate(saves.items())},
             load_table=StepTable.of_entries([entry for _, entry in loads.values()]),
-            save_table=StepTable.of_entries([entry for _, _, entry in saves.values()]),
+            # fresh reservations, shipped once: one pass, not an array per entry (~2 us each)
+            save_table=StepTable.from_tables([entry.extents for _, _, entry in saves.values()]),
         )  # fmt: skip
         if loads or (saves and self._reports):
             self._shipped[self._step] = (list(saves), list(loads))

@@ -80,15 +80,17 @@ class SaveResult:
 STEP_TABLE_FROM = 64  # extents per step from which one StepTable beats the entries' tuples
 
 
-def step_tables(entries: list) -> StepTable | list:
+def step_tables(entries: list, *, fresh: bool = False) -> StepTable | list:
     """The block tables of a step's catalog entries as the planner reads them fastest: one
-    :class:`StepTable` (a concatenation of the entries' int64 arrays) for a step of many
-    extents; the entries' own ``Extent`` lists for a few (the C pass reads a few tuples in
-    less time than numpy takes to make the arrays: ~5 us a call)."""
+    :class:`StepTable` for a step of many extents; the entries' own ``Extent`` lists for a
+    few (the C pass reads a few tuples in less time than numpy takes to make the arrays:
+    ~5 us a call). The table concatenates the entries' int64 arrays, each made once and
+    kept by its entry (a load's entries live on in the catalog); for ``fresh``
+    reservations (a save's, planned once) one pass over all their extents instead."""
     tables = [e.extents for e in entries]
-    if sum(map(len, tables)) >= STEP_TABLE_FROM:  # map: no bytecode per entry
-        return StepTable.of_entries(entries)
-    return tables
+    if sum(map(len, tables)) < STEP_TABLE_FROM:  # map: no bytecode per entry
+        return tables
+    return StepTable.from_tables(tables) if fresh else StepTable.of_entries(entries)
 
 
 class OffloadCache:
@@ -193,7 +195,7 @@ class OffloadCache:
             if not sources:
                 return result
             try:
-                done = self.mover.save(sources, step_tables(entries))
+                done = self.mover.save(sources, step_tables(entries, fresh=True))
             except BaseException:
                 for key in result.saved:
                     self.catalog.abort(key)

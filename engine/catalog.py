@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import chain
 
 from .allocator import BlockAllocator, Extent
 from .errors import DuplicateItemError, ItemStateError, UnknownItemError
@@ -65,7 +66,10 @@ class Entry:
         never change), so a step's table is a concatenation, not a walk of its extents."""
         import numpy as np  # here: importing the catalog stays light
 
-        array = np.array(self.extents, np.int64).reshape(-1, 2)
+        # fromiter over the flattened pairs: np.array walks each Extent as a generic
+        # sequence (125 extents: 56 us against 13)
+        flat = chain.from_iterable(self.extents)
+        array = np.fromiter(flat, np.int64, count=2 * len(self.extents)).reshape(-1, 2)
         array.flags.writeable = False
         return array
 

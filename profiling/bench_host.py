@@ -193,14 +193,15 @@ def planning_rows(steps, name: str, catalog: str, count: int, n: int) -> list[di
     anchor_tables = [list(e.extents) for e in entries]
     # What OffloadCache hands its mover for these entries (timed with the plan); a
     # checkout without engine.cache.step_tables hands the entries' extent lists.
-    tables_of = getattr(cache_module, "step_tables", lambda es: [e.extents for e in es])
+    tables_of = getattr(cache_module, "step_tables", lambda es, **_: [e.extents for e in es])
     rows = []
-    for direction, old, new, first in (
-        ("save", old_save, new_save, sources),
-        ("load", old_load, new_load, specs),
+    for direction, old, new, first, fresh in (
+        ("save", old_save, new_save, sources, True),  # a save plans fresh reservations
+        ("load", old_load, new_load, specs, False),
     ):
         calls = [partial(old, first, anchor_tables, arena, block),
-                 lambda new=new, first=first: new(first, tables_of(entries), arena, block)]
+                 lambda new=new, first=first, fresh=fresh: new(
+                     first, tables_of(entries, fresh=fresh), arena, block)]  # fmt: skip
         t_old, t_new = timed_side_by_side(calls, max(n, PLANNING_SAMPLES))
         rows.append(dict(group="planning the catalog's tables", step=name, catalog=catalog,
                          direction=direction, extents=count, before_us=t_old * 1e6,

@@ -106,3 +106,42 @@ def test_a_step_of_catalog_entries_is_their_extents_concatenated():
     assert StepTable.of_entries([]) == StepTable.from_tables([])
     with pytest.raises(ValueError):  # an entry's array is made once and never written
         entries[0].extent_array[0, 0] = 7
+
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_save_s_fresh_reservations_get_one_pass_and_a_load_s_entries_keep_their_arrays(
+    tmp_path, shared
+):
+    """What ``OffloadCache`` hands its mover for a step of many extents: for a save (its
+    reservations are new objects, planned once) one pass over every extent and no array
+    left on any entry; for a load (entries the catalog keeps and hands out again) the
+    entries' own arrays, made on the first step and reused on the next. Both give the
+    entries' extents, in order."""
+    from test_catalog import B, open_shared
+
+    from ecoffload.engine.allocator import BlockAllocator
+    from ecoffload.engine.cache import STEP_TABLE_FROM, step_tables
+    from ecoffload.engine.catalog import Catalog
+
+    blocks = 2 * STEP_TABLE_FROM + 4
+    catalog = open_shared(tmp_path / "c", blocks) if shared else Catalog(BlockAllocator(blocks, B))
+    fillers = [catalog.reserve(f"fill-{i}", B) for i in range(blocks)]
+    for entry in fillers[::2]:  # every other block free: each item takes single blocks
+        catalog.abort(entry.key)
+    entries = [catalog.reserve(f"item-{i}", B * (STEP_TABLE_FROM // 2 + 1)) for i in range(2)]
+    want = [list(e.extents) for e in entries]
+    assert sum(map(len, want)) >= STEP_TABLE_FROM
+
+    saved = step_tables(entries, fresh=True)
+    assert isinstance(saved, StepTable) and list(saved) == want
+    assert not any("extent_array" in vars(e) for e in entries)  # no array made per entry
+
+    loaded = step_tables(entries)
+    assert isinstance(loaded, StepTable) and list(loaded) == want
+    kept = [vars(e)["extent_array"] for e in entries]  # made by that step, kept by each entry
+    assert [a.tolist() for a in kept] == [[list(x) for x in w] for w in want]
+    assert step_tables(entries) == loaded
+    assert all(vars(e)["extent_array"] is a for e, a in zip(entries, kept, strict=True))
+    if shared:
+        catalog.close()
