@@ -134,26 +134,29 @@ class SchedulerSide:
         if entry is not None:  # the pinned entry has_cache_item read: no second round trip
             self._loads[key] = (LoadSpec(key, entry.nbytes, entry.dtype, entry.shape), entry)
             return
-        if key in self._loads or not self.producer or self.catalog.state(key) is not None:
-            return  # loading, not ours to save, or saved (or being saved) by any instance
+        if key in self._loads or not self.producer:
+            return  # loading, or not ours to save
         rows = request.get_num_encoder_embeds(index)
-        if self._reports:  # a worker report will learn the row size from it, then drop it
-            self._sizes[key] = (feature.modality, rows)
         row_bytes = self._row_bytes.get(feature.modality) or self._config_row_bytes(
             feature.modality
         )
         if not row_bytes or not rows:
-            return  # size unknown yet: the worker reports it, the next item is saved
-        try:
+            # Size unknown yet: the worker's report of this item teaches it (unless some
+            # instance is saving it already), and the next item is saved.
+            if self._reports and self.catalog.state(key) is None:
+                self._sizes[key] = (feature.modality, rows)
+            return
+        try:  # one lock round trip: reserve refuses a key any instance saved or is saving
             with nvtx_range("ecoffload.reserve"):
                 entry = self.catalog.reserve(key, rows * row_bytes)
         except DuplicateItemError:
-            return  # another instance started saving it since the state check
+            return
         if entry is None:
             self._counts["saves_skipped_no_room"] += 1
             return
         self._saves[key] = (entry.nbytes, entry.generation, entry)
-        if self._reports:
+        if self._reports:  # a worker report settles it (and its size, if refused), then drops it
+            self._sizes[key] = (feature.modality, rows)
             self._writing[key] = (entry.nbytes, entry.generation)
 
     def _config_row_bytes(self, modality: str) -> int | None:

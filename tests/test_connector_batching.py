@@ -1,6 +1,7 @@
 """The scheduler's catalog work per step: one lock round trip per hit (the pinning
-lookup vLLM asks for), one for all of a step's unpins, and nothing re-read that the
-pinned entry or the metadata already carries (issue 21)."""
+lookup vLLM asks for), one for all of a step's unpins, one per new item to save (its
+reservation, after the lookup vLLM asks for), and nothing re-read that the pinned
+entry or the metadata already carries (issue 21)."""
 
 import pytest
 
@@ -87,4 +88,20 @@ def test_a_save_step_ships_each_reservation_s_blocks_in_the_save_table(sched):
         assert (spec.nbytes, spec.generation) == (entry.nbytes, entry.generation)
         assert meta.save_table[spec.item] == list(entry.extents)
     for key in ("x", "y"):
+        catalog.abort(key)
+
+
+def test_a_save_step_costs_one_lookup_and_one_reserve_per_new_item(sched, monkeypatch):
+    """No state check before the reservation: reserve itself refuses a key some instance
+    saved or is saving, and a refused item is simply not saved here."""
+    catalog = sched.side.catalog
+    catalog.reserve("elsewhere", 4 * 128)  # another instance is writing it
+    calls = count_calls(catalog, monkeypatch)
+    items = [("new-0", 5), ("elsewhere", 4), ("new-1", 70)]
+    assert schedule(sched, make_request("r", items)) == [False] * 3
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert sorted(meta.saves) == ["new-0", "new-1"]
+    assert calls == Counter(lookup=3, reserve=3)
+    assert catalog.state("elsewhere") is ItemState.WRITING  # left to its writer
+    for key in ("new-0", "new-1", "elsewhere"):
         catalog.abort(key)
