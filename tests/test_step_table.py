@@ -111,13 +111,13 @@ def test_a_step_of_catalog_entries_is_their_extents_concatenated():
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_save_s_fresh_reservations_get_one_pass_and_a_load_s_entries_keep_their_arrays(
-    tmp_path, shared
+    tmp_path, shared, monkeypatch
 ):
     """What ``OffloadCache`` hands its mover for a step of many extents: for a save (its
-    reservations are new objects, planned once) one pass over every extent and no array
-    left on any entry; for a load (entries the catalog keeps and hands out again) the
-    entries' own arrays, made on the first step and reused on the next. Both give the
-    entries' extents, in order."""
+    reservations are new objects, planned once) the Extent lists the C pass reads, or
+    without it one pass over every extent, and no array left on any entry; for a load
+    (entries the catalog keeps and hands out again) the entries' own arrays, made on
+    the first step and reused on the next. Both give the entries' extents, in order."""
     from test_catalog import B, open_shared
 
     from ecoffload.engine.allocator import BlockAllocator
@@ -133,8 +133,13 @@ def test_a_save_s_fresh_reservations_get_one_pass_and_a_load_s_entries_keep_thei
     want = [list(e.extents) for e in entries]
     assert sum(map(len, want)) >= STEP_TABLE_FROM
 
+    saved = step_tables(entries, fresh=True)  # the C pass reads the Extent lists as they are
+    assert saved == [e.extents for e in entries] and all(
+        s is e.extents for s, e in zip(saved, entries, strict=True))  # fmt: skip
+    monkeypatch.setattr(native, "planner", lambda: None)  # no C pass: the numpy pass's table
     saved = step_tables(entries, fresh=True)
     assert isinstance(saved, StepTable) and list(saved) == want
+    monkeypatch.undo()
     assert not any("extent_array" in vars(e) for e in entries)  # no array made per entry
 
     loaded = step_tables(entries)
