@@ -42,13 +42,62 @@ CONNECTOR_TESTS = [
 ]
 ARENA_MODULES = ("arena", "arena_format", "arena_lifetime", "arena_registration", "populate",
                  "janitor")  # fmt: skip
-ARENA_TESTS = [
+ARENA_FILES = [
     "tests/test_arena.py",
     "tests/test_arena_shared.py",
     "tests/test_arena_startup.py",
     "tests/test_cuda_host.py",
-    "tests/test_fuzz_parsers.py::test_any_arena_header_attaches_or_raises_arena_error",
 ]
+# The arena's tests of a second or more (processes spawned, a slow populate, a fuzzer):
+# as for the shared catalog below, each stays only in the lists of the modules it is
+# there for (TESTING.md, "Mutation testing"; times under ECOFFLOAD_MUTATION=1 CI=1).
+ARENA_SLOW: dict[str, tuple[str, ...]] = {
+    # the connector's scheduler while the arena populates (20 s): the connectors' list has it
+    "tests/test_arena_startup.py::"
+    "test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness": (),
+    "tests/test_arena_shared.py::"
+    "test_a_later_instance_joins_the_file_the_creator_left_to_another": (
+        "arena_lifetime",),  # 12 s
+    "tests/test_arena_shared.py::test_a_persistent_file_outlives_its_holders_and_is_warm_started": (
+        "arena_lifetime",),  # 9 s
+    "tests/test_arena_shared.py::"
+    "test_open_shared_refuses_an_arena_of_the_other_lifetime_and_attach_never_reclaims": (
+        "arena_lifetime",),  # 9 s
+    "tests/test_arena.py::test_one_catalog_owner_per_arena": ("arena_lifetime",),  # 8 s
+    "tests/test_arena_shared.py::"
+    "test_holders_that_all_die_leave_nothing_the_janitor_removes_the_name": (
+        "janitor", "arena_lifetime"),  # 6 s
+    "tests/test_arena.py::test_second_process_attaches_writes_and_is_read_back": ("arena",),  # 6 s
+    "tests/test_arena.py::test_attach_waits_for_a_creator_that_starts_later": (
+        "arena", "arena_format"),  # 6 s
+    "tests/test_arena_shared.py::"
+    "test_a_persistent_arena_whose_populator_died_alone_resumes_at_warm_start": (
+        "arena_lifetime", "populate"),  # 5 s
+    "tests/test_arena_startup.py::"
+    "test_creator_killed_mid_populate_leaves_a_stale_file_that_is_reclaimed": (
+        "arena", "arena_format"),  # 4 s
+    "tests/test_arena.py::test_stale_arena_of_a_dead_creator_is_refused_then_reclaimed": (
+        "arena", "arena_format"),  # 4 s
+    "tests/test_arena_shared.py::test_a_file_left_with_its_janitor_killed_too_is_reclaimed": (
+        "janitor", "arena_lifetime"),  # 4 s
+    "tests/test_arena_shared.py::test_a_dead_populator_is_resumed_by_the_next_opener": (
+        "arena_lifetime", "populate"),  # 4 s
+    "tests/test_arena_startup.py::test_registration_follows_the_ready_prefix_chunk_by_chunk": (
+        "arena_registration",),  # 1.6 s
+    "tests/test_arena_startup.py::test_cache_saves_only_into_ready_blocks": (
+        "populate", "arena"),  # 1.2 s
+}  # fmt: skip
+# random headers against attach's checks (3 s): the header format's and attach's own
+ARENA_FUZZ = "tests/test_fuzz_parsers.py::test_any_arena_header_attaches_or_raises_arena_error"
+
+
+def arena_tests(name: str) -> list[str]:
+    """The arena's test files less the slow tests that ``name`` does not need."""
+    deselect = [t for t, keep in ARENA_SLOW.items() if name not in keep]
+    fuzz = [ARENA_FUZZ] if name in ("arena_format", "arena") else []
+    return ARENA_FILES + fuzz + [arg for t in deselect for arg in ("--deselect", t)]
+
+
 SHARED_CATALOG_MODULES = (
     "shared_catalog", "shared_catalog_format", "shared_catalog_lock", "shared_catalog_region",
     "shared_catalog_reads", "shared_catalog_pins", "shared_catalog_lru",
@@ -128,7 +177,7 @@ MODULES: dict[str, list[str]] = {
     "connector/scheduler_side.py": CONNECTOR_TESTS,
     "connector/worker_side.py": CONNECTOR_TESTS,
     # the modules of issue 22's split (arena.py, shared_catalog.py before it)
-    **{f"engine/{name}.py": ARENA_TESTS for name in ARENA_MODULES},
+    **{f"engine/{name}.py": arena_tests(name) for name in ARENA_MODULES},
     **{f"engine/{name}.py": shared_catalog_tests(name) for name in SHARED_CATALOG_MODULES},
     # the binding, made once at import (no mutant of it runs otherwise), then the locking
     "engine/robust_mutex.py": ["tests/test_robust_mutex.py", *shared_catalog_tests("robust_mutex")],
