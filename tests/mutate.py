@@ -201,11 +201,14 @@ MODULES: dict[str, list[str]] = {
     "engine/items.py": ["tests/test_items.py", "tests/test_catalog.py", "tests/test_integrity.py"],
     "engine/shared_cache.py": ["tests/test_cache.py", "tests/test_connector_contract.py"],
 }
-# The arena's tests spend their time waiting on other processes, not on the CPU: with
-# mutmut's default limit of 30x the listed tests' time in CPU seconds, one hanging mutant
-# (a read_ready whose two reads never agree) spun for 7 minutes. 2x is still twice what
-# the whole list takes, waits included.
-ARENA_TIMEOUT_MULTIPLIER = 1.0
+# mutmut stops a mutant's tests after (t + constant) * multiplier seconds of wall time
+# (and twice that of CPU), t the listed tests' time in its stats run: 15 * (t + 1) by
+# default: a hanging arena mutant (a read_ready whose two reads never agree) spins for
+# 15 * (13.7 + 1) s, and a run reached 13 of 267 mutants in 7 minutes. The arena
+# family's lists get 3 * (t + 10): such a hang ends in about a minute,
+# while a survivor's run, well under t even on a loaded machine, never reaches it
+# (with 1 * (t + 1), message-only survivors were stopped as "timeouts").
+ARENA_TIMEOUT = "timeout_multiplier = 3.0\ntimeout_constant = 10.0\n"
 ARENA_FAMILY = {f"engine/{name}.py" for name in (*ARENA_MODULES, "shared_cache")}
 KILLED = {1, 3}
 TIMEOUT = {-24, 24, 36, 152, 255, -9}  # the CPU-time limit (SIGXCPU, then SIGKILL): loops or stalls
@@ -228,7 +231,7 @@ def stage(module: str) -> Path:
         + 'also_copy = ["src"]\n'
         + f"pytest_add_cli_args_test_selection = [{selection}]\n"
         + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:warnings"]\n'
-        + (f"timeout_multiplier = {ARENA_TIMEOUT_MULTIPLIER}\n" if module in ARENA_FAMILY else "")
+        + (ARENA_TIMEOUT if module in ARENA_FAMILY else "")
     )
     return root
 
