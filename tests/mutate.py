@@ -43,6 +43,7 @@ CONNECTOR_TESTS = [
 ARENA_MODULES = ("arena", "arena_format", "arena_lifetime", "arena_registration", "populate",
                  "janitor")  # fmt: skip
 ARENA_FILES = [
+    "tests/test_arena_format.py",
     "tests/test_arena.py",
     "tests/test_arena_shared.py",
     "tests/test_arena_startup.py",

@@ -137,3 +137,20 @@ def test_the_ready_prefix_is_read_capped_at_the_data_area():
     arena_format.write_ready(buf, 5 * B)
     assert arena_format.read_ready(buf, 8 * B) == 5 * B
     assert arena_format.read_ready(buf, 2 * B) == 2 * B
+
+
+def test_a_waited_for_file_that_is_not_an_arena_is_named_in_the_refusal(tmp_path):
+    path = str(tmp_path / "a")
+    with open(path, "wb") as f:
+        f.write(b"NOTOURS!" + bytes(HEADER_BYTES))
+    os.chmod(path, 0o644)
+    with pytest.raises(ArenaError) as err:
+        wait_for_header(path, 0.0, 0.0)
+    assert str(err.value) == (
+        f"{path} has mode 644, expected 600: other users could read or change cached data; "
+        "remove the file and let ecoffload create it"
+    )
+    os.chmod(path, 0o600)
+    with pytest.raises(ArenaLayoutMismatch) as err:
+        wait_for_header(path, 0.0, 0.0)
+    assert (err.value.path, err.value.field, err.value.found) == (path, "magic", b"NOTOURS!")
