@@ -24,7 +24,12 @@ from ecoffload.engine.arena_format import (
     check_header,
     wait_for_header,
 )
-from ecoffload.engine.errors import ArenaAttachTimeout, ArenaError, ArenaLayoutMismatch
+from ecoffload.engine.errors import (
+    ArenaAttachTimeout,
+    ArenaError,
+    ArenaLayoutMismatch,
+    ArenaStaleError,
+)
 
 B = 4096
 PATH = "/dev/shm/a"  # only named in messages: no file is made
@@ -127,9 +132,26 @@ def test_waiting_for_a_header_that_never_comes_says_why_and_what_to_do(tmp_path)
         os.write(fd, bytes(10))
         with pytest.raises(ArenaAttachTimeout, match=re.escape("(the file has 10 bytes, not")):
             wait_for_header(path, 0.0, 0.0)
+        os.pwrite(fd, header(creator_pid=0, magic=bytes(8)), 0)  # sized, magic not yet written
+        with pytest.raises(ArenaAttachTimeout, match=re.escape("(the header is not written yet):")):
+            wait_for_header(path, 0.0, 0.0)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            os._exit(0)
+        os.waitpid(pid, 0)  # gone: a creator that died before writing the magic
+        os.pwrite(fd, header(creator_pid=pid, magic=bytes(8)), 0)
+        with pytest.raises(ArenaStaleError) as err:
+            wait_for_header(path, 0.0, 0.0)
+        assert (err.value.path, err.value.inode, err.value.pid) == (path, os.fstat(fd).st_ino, pid)
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def test_a_path_that_is_no_regular_file_is_refused_by_name(tmp_path):
+    with pytest.raises(ArenaError) as err:
+        arena_format.check_owner(str(tmp_path), os.stat(tmp_path))
+    assert str(err.value) == f"{tmp_path} is not a regular file"
 
 
 def test_the_ready_prefix_is_read_capped_at_the_data_area():
