@@ -135,10 +135,7 @@ def test_waiting_for_a_header_that_never_comes_says_why_and_what_to_do(tmp_path)
         os.pwrite(fd, header(creator_pid=0, magic=bytes(8)), 0)  # sized, magic not yet written
         with pytest.raises(ArenaAttachTimeout, match=re.escape("(the header is not written yet):")):
             wait_for_header(path, 0.0, 0.0)
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            os._exit(0)
-        os.waitpid(pid, 0)  # gone: a creator that died before writing the magic
+        pid = _dead_pid()  # a creator that died before writing the magic
         os.pwrite(fd, header(creator_pid=pid, magic=bytes(8)), 0)
         with pytest.raises(ArenaStaleError) as err:
             wait_for_header(path, 0.0, 0.0)
@@ -176,3 +173,59 @@ def test_a_waited_for_file_that_is_not_an_arena_is_named_in_the_refusal(tmp_path
     with pytest.raises(ArenaLayoutMismatch) as err:
         wait_for_header(path, 0.0, 0.0)
     assert (err.value.path, err.value.field, err.value.found) == (path, "magic", b"NOTOURS!")
+    assert err.value.expected == MAGIC
+    os.chown(path, 65534, 65534)
+    with pytest.raises(ArenaError) as err:
+        wait_for_header(path, 0.0, 0.0)
+    assert str(err.value) == (
+        f"{path} belongs to uid 65534, this process runs as uid {os.getuid()}: refusing to "
+        "share memory with another user"
+    )
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_a_shared_lifetime_arena_outlives_its_creator_for_a_waiting_attacher(tmp_path):
+    path = str(tmp_path / "a")
+    buf = header(creator_pid=_dead_pid())
+    arena_format.write_lifetime(buf, arena_format.SHARED_LIFETIME)
+    with open(path, "wb") as f:
+        f.write(buf + bytes(2 * B))
+    os.chmod(path, 0o600)
+    fd, mm = wait_for_header(path, 0.0, 0.0)  # not stale: any holder keeps it
+    mm.close()
+    os.close(fd)
+    arena_format.write_lifetime(buf, 0)  # the same file made by Arena.create: stale
+    with open(path, "r+b") as f:
+        f.write(buf)
+    with pytest.raises(ArenaStaleError):
+        wait_for_header(path, 0.0, 0.0)
+
+
+def test_names_are_refused_with_the_rule():
+    assert arena_format.check_arena_name("a.b-c_1") == "a.b-c_1"
+    for bad in ("../x", 7):
+        with pytest.raises(ArenaError) as err:
+            arena_format.check_arena_name(bad)
+        assert str(err.value) == (
+            f"arena name {bad!r} is not allowed: use 1-200 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, with no '/' and no '..'"
+        )
+
+
+def test_a_layout_key_is_canonical_json_with_any_value_as_text():
+    class Dtype:
+        def __str__(self):
+            return "torch.bfloat16"
+
+    key = {"model": "m", "dtype": Dtype(), "hidden": 128}
+    assert arena_format.layout_key_text(key) == (
+        '{"dtype":"torch.bfloat16","hidden":128,"model":"m"}'
+    )
+    assert arena_format.layout_key_text("as given") == "as given"
