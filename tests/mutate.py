@@ -44,6 +44,7 @@ ARENA_MODULES = ("arena", "arena_format", "arena_lifetime", "arena_registration"
                  "janitor")  # fmt: skip
 ARENA_FILES = [
     "tests/test_arena_format.py",
+    "tests/test_arena_lifetime.py",
     "tests/test_arena.py",
     "tests/test_arena_shared.py",
     "tests/test_arena_startup.py",
