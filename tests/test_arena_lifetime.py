@@ -166,6 +166,9 @@ def test_the_catalog_owner_is_the_first_live_claimant(arena_dir):
             "serving instance, and every data-parallel rank, needs its own arena_name"
         )
         assert OWNER.unpack_from(a._mm, OWNER_OFFSET) == parent  # left as it was
+        OWNER.pack_into(a._mm, OWNER_OFFSET, parent[0], 0)  # its start time was not known
+        with pytest.raises(ArenaError, match="already has a catalog owner"):
+            a.claim_ownership()
         OWNER.pack_into(a._mm, OWNER_OFFSET, parent[0], parent[1] + 1)  # its pid, reused
         a.claim_ownership()
         assert OWNER.unpack_from(a._mm, OWNER_OFFSET) == me
