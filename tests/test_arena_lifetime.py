@@ -90,6 +90,14 @@ def test_an_arena_of_the_other_lifetime_or_persistence_is_refused_whole(arena_di
             Arena.remove_shared("s", directory=arena_dir)
         assert str(err.value) == f"arena {s.path} is held open by live processes: close them first"
     assert not Arena.remove_shared("s", directory=arena_dir)  # the last close removed it
+    path = os.path.join(arena_dir, "s")
+    with open(path, "wb") as f:
+        f.write(bytes(arena_format.HEADER_BYTES))
+    os.chmod(path, 0o644)
+    with pytest.raises(ArenaError) as err:
+        Arena.remove_shared("s", directory=arena_dir)  # not ours alone: left alone
+    assert str(err.value).startswith(f"{path} has mode 644, expected 600")
+    os.unlink(path)
 
 
 def test_opening_joining_and_warm_starting_are_logged_by_name(arena_dir, caplog):
