@@ -45,6 +45,7 @@ ARENA_MODULES = ("arena", "arena_format", "arena_lifetime", "arena_registration"
 ARENA_FILES = [
     "tests/test_arena_format.py",
     "tests/test_arena_lifetime.py",
+    "tests/test_populate.py",
     "tests/test_arena.py",
     "tests/test_arena_shared.py",
     "tests/test_arena_startup.py",
