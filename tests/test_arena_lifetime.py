@@ -10,10 +10,11 @@ reader acts on and the state left behind.
 import logging
 import os
 import struct
+import threading
 
 import pytest
 
-from ecoffload.engine import arena_format
+from ecoffload.engine import arena_format, populate
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.arena_format import ANY_LAYOUT, OWNER, OWNER_OFFSET
 from ecoffload.engine.errors import ArenaAttachTimeout, ArenaError
@@ -182,3 +183,42 @@ def test_the_catalog_owner_is_the_first_live_claimant(arena_dir):
         assert OWNER.unpack_from(a._mm, OWNER_OFFSET) == me
         a.claim_ownership()  # the owner may claim again
         assert OWNER.unpack_from(a._mm, OWNER_OFFSET) == me
+
+
+@pytest.fixture
+def held_populate(monkeypatch):
+    """Chunks of one block; every chunk after an arena's first waits for the event."""
+    monkeypatch.setattr(populate, "POPULATE_CHUNK", B)
+    release, real = threading.Event(), populate.prefault
+
+    def fault(mm, base, offset, size, path):
+        if offset != arena_format.HEADER_BYTES:  # not the first chunk (no metadata region)
+            assert release.wait(30), "the test never released the populate"
+        real(mm, base, offset, size, path)
+
+    monkeypatch.setattr(populate, "prefault", fault)
+    yield release
+    release.set()
+
+
+def test_only_a_shared_arena_whose_populator_is_gone_is_taken_over(arena_dir, held_populate):
+    a = open_shared(arena_dir, populate="background")  # this process populates it
+    try:
+        populator = a._populator
+        assert populator is not None and a.ready_blocks == 1
+        assert not a.resume_populate() and a._populator is populator  # not again
+    finally:
+        held_populate.set()
+        a.close()
+    assert not a.resume_populate()  # closed
+    held_populate.clear()
+    plain = Arena.create("p", directory=arena_dir, block_bytes=B, num_blocks=8,
+                         layout_key=KEY, register_cuda="never", populate="background")  # fmt: skip
+    try:
+        with Arena.attach("p", directory=arena_dir, layout_key=KEY, register_cuda="never",
+                          populate="background") as b:  # fmt: skip
+            assert b.ready_blocks < 8
+            assert not b.resume_populate() and b._populator is None  # its creator does it
+    finally:
+        held_populate.set()
+        plain.close()
