@@ -207,6 +207,8 @@ def test_only_a_shared_arena_whose_populator_is_gone_is_taken_over(arena_dir, he
         populator = a._populator
         assert populator is not None and a.ready_blocks == 1
         assert not a.resume_populate() and a._populator is populator  # not again
+        with open_shared(arena_dir, populate="background") as j:  # its populator lives
+            assert j._populator is None and not j.resume_populate() and j._populator is None
     finally:
         held_populate.set()
         a.close()
