@@ -46,6 +46,7 @@ ARENA_FILES = [
     "tests/test_arena_format.py",
     "tests/test_arena_lifetime.py",
     "tests/test_populate.py",
+    "tests/test_arena_registration.py",
     "tests/test_arena.py",
     "tests/test_arena_shared.py",
     "tests/test_arena_startup.py",
