@@ -1,5 +1,5 @@
 """Shared lifetime (engine/arena_lifetime.py) within one process: each refusal and
-each log line whole, the catalog owner's claim against a live and a dead owner, a
+each log line whole, the catalog owner's claim against a live owner and a reused pid, a
 reclaimed leftover and a resumed populate made by rewriting a kept file's header.
 
 The process-crossing cases (holders killed, janitors, populators that die) are in
@@ -9,6 +9,7 @@ reader acts on and the state left behind.
 
 import logging
 import os
+import signal
 import struct
 import threading
 
@@ -162,23 +163,39 @@ def test_a_warm_start_resumes_the_populate_a_dead_process_left_from_its_prefix(a
     assert Arena.remove_shared("s", directory=arena_dir)
 
 
-def test_the_catalog_owner_is_the_first_live_claimant(arena_dir):
+@pytest.fixture
+def other_process():
+    """A live child process, (pid, start time); it ends itself after 60 s at the latest."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        signal.alarm(60)  # a child a mutant strands must not outlive the run
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    yield pid, process_start_time(pid)
+    os.close(w)
+    os.waitpid(pid, 0)
+
+
+def test_the_catalog_owner_is_the_first_live_claimant(arena_dir, other_process):
     with Arena.create("a", directory=arena_dir, block_bytes=B, num_blocks=4,
                       layout_key=KEY) as a:  # fmt: skip
         me = (os.getpid(), process_start_time(os.getpid()))
-        parent = (os.getppid(), process_start_time(os.getppid()))
-        OWNER.pack_into(a._mm, OWNER_OFFSET, *parent)  # a live process owns it
+        other = other_process
+        OWNER.pack_into(a._mm, OWNER_OFFSET, *other)  # a live process owns it
         with pytest.raises(ArenaError) as err:
             a.claim_ownership()
         assert str(err.value) == (
-            f"arena {a.path} already has a catalog owner (process {parent[0]}): every "
+            f"arena {a.path} already has a catalog owner (process {other[0]}): every "
             "serving instance, and every data-parallel rank, needs its own arena_name"
         )
-        assert OWNER.unpack_from(a._mm, OWNER_OFFSET) == parent  # left as it was
-        OWNER.pack_into(a._mm, OWNER_OFFSET, parent[0], 0)  # its start time was not known
+        assert OWNER.unpack_from(a._mm, OWNER_OFFSET) == other  # left as it was
+        OWNER.pack_into(a._mm, OWNER_OFFSET, other[0], 0)  # its start time was not known
         with pytest.raises(ArenaError, match="already has a catalog owner"):
             a.claim_ownership()
-        OWNER.pack_into(a._mm, OWNER_OFFSET, parent[0], parent[1] + 1)  # its pid, reused
+        OWNER.pack_into(a._mm, OWNER_OFFSET, other[0], other[1] + 1)  # its pid, reused
         a.claim_ownership()
         assert OWNER.unpack_from(a._mm, OWNER_OFFSET) == me
         a.claim_ownership()  # the owner may claim again
