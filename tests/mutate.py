@@ -109,8 +109,10 @@ def arena_tests(name: str, files: list[str] = ARENA_FILES) -> list[str]:
 # tests (the parts run in this process) and the arena's tests that start no janitor
 # (no shared-lifetime arena opened in the test process); start_janitor has no tests.
 JANITOR_TESTS = arena_tests(
-    "janitor", ["tests/test_janitor.py", *(f for f in ARENA_FILES if "arena_shared" not in f)]
-)
+    "janitor",
+    ["tests/test_janitor.py",
+     *(f for f in ARENA_FILES if not f.endswith(("arena_shared.py", "arena_lifetime.py")))],
+)  # fmt: skip
 
 
 SHARED_CATALOG_MODULES = (
