@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import re
+import threading
 
 import pytest
 
@@ -126,3 +127,29 @@ def test_without_madvise_every_page_is_touched_and_the_data_kept_zero(mapping, m
     touched = [i for i in range(len(mm) // P) if mm[i * P] == 0]
     assert touched == [1, 2, 3, 4]  # the first byte of each page of the area, no other
     assert mm[P + 1 : 2 * P] == b"\x01" * (P - 1)
+
+
+def test_populate_threads_are_named_daemons_and_stop_within_their_chunk(mapping, monkeypatch):
+    _, mm, path = mapping
+    monkeypatch.setattr(populate, "POPULATE_CHUNK", P)
+    release, entered, real = threading.Event(), threading.Semaphore(0), populate.prefault
+
+    def held(*args):
+        entered.release()
+        assert release.wait(30), "the test never released the populate"
+        real(*args)
+
+    monkeypatch.setattr(populate, "prefault", held)
+    p = Populator(mm, 0, 16 * P, 2, path)
+    p.start()
+    try:
+        assert entered.acquire(timeout=30) and entered.acquire(timeout=30)  # both in a chunk
+        threads = [t for t in threading.enumerate() if t.name.startswith("ecoffload-populate-")]
+        assert sorted(t.name for t in threads) == ["ecoffload-populate-0", "ecoffload-populate-1"]
+        assert all(t.daemon for t in threads)  # never keep the interpreter alive
+    finally:
+        p._stop.set()
+        release.set()
+        p.stop()
+    assert not any(t.is_alive() for t in threads)
+    assert arena_format.read_ready(mm, 16 * P) == 2 * P  # the two chunks in flight, no more
