@@ -42,13 +42,79 @@ CONNECTOR_TESTS = [
 ]
 ARENA_MODULES = ("arena", "arena_format", "arena_lifetime", "arena_registration", "populate",
                  "janitor")  # fmt: skip
-ARENA_TESTS = [
+ARENA_FILES = [
+    "tests/test_arena_format.py",
+    "tests/test_arena_lifetime.py",
+    "tests/test_populate.py",
+    "tests/test_arena_registration.py",
     "tests/test_arena.py",
     "tests/test_arena_shared.py",
     "tests/test_arena_startup.py",
     "tests/test_cuda_host.py",
-    "tests/test_fuzz_parsers.py::test_any_arena_header_attaches_or_raises_arena_error",
 ]
+# The arena's tests of a second or more (processes spawned, a slow populate, a fuzzer):
+# as for the shared catalog below, each stays only in the lists of the modules it is
+# there for (TESTING.md, "Mutation testing"; times under ECOFFLOAD_MUTATION=1 CI=1).
+ARENA_SLOW: dict[str, tuple[str, ...]] = {
+    # the connector's scheduler while the arena populates (20 s): the connectors' list has it
+    "tests/test_arena_startup.py::"
+    "test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness": (),
+    "tests/test_arena_shared.py::"
+    "test_a_later_instance_joins_the_file_the_creator_left_to_another": (
+        "arena_lifetime",),  # 12 s
+    "tests/test_arena_shared.py::test_a_persistent_file_outlives_its_holders_and_is_warm_started": (
+        "arena_lifetime",),  # 9 s
+    "tests/test_arena_shared.py::"
+    "test_open_shared_refuses_an_arena_of_the_other_lifetime_and_attach_never_reclaims": (
+        "arena_lifetime",),  # 9 s
+    "tests/test_arena.py::test_one_catalog_owner_per_arena": ("arena_lifetime",),  # 8 s
+    "tests/test_arena_shared.py::"
+    "test_holders_that_all_die_leave_nothing_the_janitor_removes_the_name": (
+        "arena_lifetime",),  # 6 s
+    "tests/test_arena.py::test_second_process_attaches_writes_and_is_read_back": ("arena",),  # 6 s
+    "tests/test_arena.py::test_attach_waits_for_a_creator_that_starts_later": (
+        "arena", "arena_format"),  # 6 s
+    "tests/test_arena_shared.py::"
+    "test_a_persistent_arena_whose_populator_died_alone_resumes_at_warm_start": (
+        "arena_lifetime", "populate"),  # 5 s
+    "tests/test_arena_startup.py::"
+    "test_creator_killed_mid_populate_leaves_a_stale_file_that_is_reclaimed": (
+        "arena", "arena_format"),  # 4 s
+    "tests/test_arena.py::test_stale_arena_of_a_dead_creator_is_refused_then_reclaimed": (
+        "arena", "arena_format"),  # 4 s
+    "tests/test_arena_shared.py::test_a_file_left_with_its_janitor_killed_too_is_reclaimed": (
+        "arena_lifetime",),  # 4 s
+    "tests/test_arena_shared.py::test_a_dead_populator_is_resumed_by_the_next_opener": (
+        "arena_lifetime", "populate"),  # 4 s
+    "tests/test_arena_startup.py::test_registration_follows_the_ready_prefix_chunk_by_chunk": (
+        "arena_registration",),  # 1.6 s
+    "tests/test_arena_startup.py::test_cache_saves_only_into_ready_blocks": (
+        "populate", "arena"),  # 1.2 s
+}  # fmt: skip
+# random headers against attach's checks (3 s): the header format's and attach's own
+ARENA_FUZZ = "tests/test_fuzz_parsers.py::test_any_arena_header_attaches_or_raises_arena_error"
+
+
+def arena_tests(name: str, files: list[str] = ARENA_FILES) -> list[str]:
+    """The arena's test files less the slow tests that ``name`` does not need."""
+    deselect = [
+        t for t, keep in ARENA_SLOW.items() if name not in keep and t.split("::")[0] in files
+    ]
+    fuzz = [ARENA_FUZZ] if name in ("arena_format", "arena") else []
+    return files + fuzz + [arg for t in deselect for arg in ("--deselect", t)]
+
+
+# The janitor's program cannot run mutated: mutmut's copy imports mutmut, which
+# `python -I -S` cannot find, so every start_janitor fails there. Its list is its own
+# tests (the parts run in this process) and the arena's tests that start no janitor
+# (no shared-lifetime arena opened in the test process); start_janitor has no tests.
+JANITOR_TESTS = arena_tests(
+    "janitor",
+    ["tests/test_janitor.py",
+     *(f for f in ARENA_FILES if not f.endswith(("arena_shared.py", "arena_lifetime.py")))],
+)  # fmt: skip
+
+
 SHARED_CATALOG_MODULES = (
     "shared_catalog", "shared_catalog_format", "shared_catalog_lock", "shared_catalog_region",
     "shared_catalog_reads", "shared_catalog_pins", "shared_catalog_lru",
@@ -128,7 +194,8 @@ MODULES: dict[str, list[str]] = {
     "connector/scheduler_side.py": CONNECTOR_TESTS,
     "connector/worker_side.py": CONNECTOR_TESTS,
     # the modules of issue 22's split (arena.py, shared_catalog.py before it)
-    **{f"engine/{name}.py": ARENA_TESTS for name in ARENA_MODULES},
+    **{f"engine/{name}.py": arena_tests(name) for name in ARENA_MODULES},
+    "engine/janitor.py": JANITOR_TESTS,
     **{f"engine/{name}.py": shared_catalog_tests(name) for name in SHARED_CATALOG_MODULES},
     # the binding, made once at import (no mutant of it runs otherwise), then the locking
     "engine/robust_mutex.py": ["tests/test_robust_mutex.py", *shared_catalog_tests("robust_mutex")],
@@ -140,6 +207,16 @@ MODULES: dict[str, list[str]] = {
     "engine/items.py": ["tests/test_items.py", "tests/test_catalog.py", "tests/test_integrity.py"],
     "engine/shared_cache.py": ["tests/test_cache.py", "tests/test_connector_contract.py"],
 }
+# mutmut stops a mutant's tests after (t + constant) * multiplier seconds of wall time
+# (and twice that of CPU), t the listed tests' time in its stats run: 15 * (t + 1) by
+# default: a hanging arena mutant (a read_ready whose two reads never agree) spins for
+# 15 * (13.7 + 1) s, and a run reached 13 of 267 mutants in 7 minutes. The arena
+# family's lists get 5 * (t + 10): such a hang ends in about two minutes. With
+# 1 * (t + 1), message-only survivors were stopped as "timeouts"; with 3 * (t + 10), a
+# few still were beside two other mutation runs (their tests wait for spawned
+# processes): each timeout is read before it is counted (TESTING.md).
+ARENA_TIMEOUT = "timeout_multiplier = 5.0\ntimeout_constant = 10.0\n"
+ARENA_FAMILY = {f"engine/{name}.py" for name in (*ARENA_MODULES, "shared_cache")}
 KILLED = {1, 3}
 TIMEOUT = {-24, 24, 36, 152, 255, -9}  # the CPU-time limit (SIGXCPU, then SIGKILL): loops or stalls
 CRASHED = {-11}  # the test process segfaulted on the mutant (e.g. a kernel reading out of bounds)
@@ -161,6 +238,7 @@ def stage(module: str) -> Path:
         + 'also_copy = ["src"]\n'
         + f"pytest_add_cli_args_test_selection = [{selection}]\n"
         + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:warnings"]\n'
+        + (ARENA_TIMEOUT if module in ARENA_FAMILY else "")
     )
     return root
 

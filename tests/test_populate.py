@@ -1,0 +1,155 @@
+"""Populate (engine/populate.py) on a mapping of its own, without an arena: how a
+data area is cut into chunks and threads, what a resumed populate starts from, the
+ready prefix it publishes, and what it says (progress, the end, a failure).
+
+The arena's tests (test_arena_startup.py) run the same populate through
+``Arena.create``; these look at the numbers and the words.
+"""
+
+import errno
+import logging
+import mmap
+import os
+import re
+import threading
+
+import pytest
+
+from ecoffload.engine import arena_format, populate
+from ecoffload.engine.errors import ArenaError
+from ecoffload.engine.populate import PARALLEL_POPULATE_BYTES, Populator
+
+P = mmap.PAGESIZE
+LOG = "ecoffload.engine.arena"
+
+
+@pytest.fixture
+def mapping(tmp_path, monkeypatch):
+    """A shared mapping of 16 pages after a header-sized first part, and its file.
+
+    The madvise binding is made afresh: made once per process, it would otherwise come
+    from whatever ran first (under mutmut, the fork server, before any mutant)."""
+    monkeypatch.setattr(populate, "_libc_madvise", None)
+    path = str(tmp_path / "area")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, arena_format.HEADER_BYTES + 16 * P)
+    mm = mmap.mmap(fd, arena_format.HEADER_BYTES + 16 * P)
+    yield fd, mm, path
+    mm.close()
+    os.close(fd)
+
+
+def test_threads_default_to_one_below_the_parallel_size_and_never_exceed_the_chunks(mapping):
+    _, mm, path = mapping
+    assert Populator(mm, 0, PARALLEL_POPULATE_BYTES - 1, None, path).threads == 1
+    many = Populator(mm, 0, PARALLEL_POPULATE_BYTES, None, path)
+    assert many.threads == min(8, os.cpu_count() or 1)
+    chunks = -(-PARALLEL_POPULATE_BYTES // populate.POPULATE_CHUNK)
+    assert many._chunks[0] == (0, populate.POPULATE_CHUNK) and len(many._chunks) == chunks
+    two = Populator(mm, 0, populate.POPULATE_CHUNK + 1, 5, path)  # 2 chunks: 2 threads
+    assert two.threads == 2 and two._chunks[1] == (populate.POPULATE_CHUNK, 1)
+    assert Populator(mm, 0, P, 0, path).threads == 1
+
+
+def test_a_resumed_populate_starts_at_its_prefix_and_publishes_from_there(mapping, monkeypatch):
+    _, mm, path = mapping
+    monkeypatch.setattr(populate, "POPULATE_CHUNK", 4 * P)
+    start = arena_format.HEADER_BYTES
+    p = Populator(mm, start, start + 16 * P, 1, path, done=6 * P)
+    assert p._chunks == [(start + 6 * P, 4 * P), (start + 10 * P, 4 * P), (start + 14 * P, 2 * P)]
+    assert p._ready() == 6 * P  # nothing new yet: what was done
+    p.run_first()
+    assert arena_format.read_ready(mm, 16 * P) == 10 * P and p.seconds is None
+    p.run()
+    assert arena_format.read_ready(mm, 16 * P) == 16 * P and p.seconds is not None
+
+
+def test_progress_and_the_end_are_logged_with_numbers(mapping, monkeypatch, caplog):
+    _, mm, path = mapping
+    monkeypatch.setattr(populate, "POPULATE_CHUNK", 4 * P)
+    monkeypatch.setattr(populate, "PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level(logging.DEBUG, logger=LOG):
+        Populator(mm, 0, 16 * P, 1, path).run()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOG]
+    mib = 16 * P / 2**30
+    for (level, line), percent in zip(lines, (25, 50, 75), strict=False):
+        assert level == logging.INFO
+        assert re.fullmatch(
+            rf"arena {re.escape(path)}: pre-faulted {percent}% \({percent * mib / 100:.1f} of "
+            rf"{mib:.1f} GiB\) at \d+\.\d\d GiB/s, ETA \d+\.\d s", line,
+        ), line  # fmt: skip
+    level, last = lines[-1]
+    assert len(lines) == 4 and level == logging.DEBUG  # 4 chunks: a small populate, quietly
+    assert re.fullmatch(
+        rf"arena {re.escape(path)}: pre-faulted 0\.0 GiB in \d+\.\d\d s \(\d+\.\d\d GiB/s, "
+        r"1 thread\(s\)\)", last,
+    ), last  # fmt: skip
+
+
+def test_the_end_of_a_populate_of_more_than_four_chunks_is_logged_at_info(
+    mapping, monkeypatch, caplog
+):
+    _, mm, path = mapping
+    monkeypatch.setattr(populate, "POPULATE_CHUNK", 2 * P)
+    with caplog.at_level(logging.INFO, logger=LOG):
+        Populator(mm, 0, 16 * P, 2, path).run()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == LOG]
+    assert line.startswith(f"arena {path}: pre-faulted 0.0 GiB in ") and "2 thread(s)" in line
+
+
+def test_a_page_that_cannot_be_faulted_stops_populate_at_its_prefix_and_says_so(
+    mapping, monkeypatch, caplog
+):
+    fd, mm, path = mapping
+    monkeypatch.setattr(populate, "POPULATE_CHUNK", 4 * P)
+    p = Populator(mm, 0, 16 * P, 1, path)
+    p.run_first()  # the header's first 4 pages are ready
+    os.ftruncate(fd, 8 * P)  # pages 8 on would now raise SIGBUS: madvise says EFAULT
+    with caplog.at_level(logging.ERROR, logger=LOG), pytest.raises(ArenaError) as err:
+        p.run()
+    reason = f"[Errno {errno.EFAULT}] pre-faulting {path}: {os.strerror(errno.EFAULT)}"
+    assert str(err.value) == f"{reason}; is there enough free memory for the arena?"
+    assert p.failure.errno == errno.EFAULT
+    assert arena_format.read_ready(mm, 16 * P) == 8 * P  # chunks 0 and 1 stay ready
+    (line,) = [r.getMessage() for r in caplog.records if r.name == LOG]
+    assert line == (
+        f"arena {path}: populate stopped at 0 of 0 MiB ({reason}); only the ready part is used"
+    )
+    assert not p._step()  # failed: no more chunks are taken
+
+
+def test_without_madvise_every_page_is_touched_and_the_data_kept_zero(mapping, monkeypatch):
+    _, mm, path = mapping
+    monkeypatch.setattr(populate, "MADV_POPULATE_WRITE", 0x7FFF)  # unknown advice: EINVAL
+    mm[:] = b"\x01" * len(mm)
+    p = Populator(mm, P, 5 * P, 1, path)
+    p.run()
+    touched = [i for i in range(len(mm) // P) if mm[i * P] == 0]
+    assert touched == [1, 2, 3, 4]  # the first byte of each page of the area, no other
+    assert mm[P + 1 : 2 * P] == b"\x01" * (P - 1)
+
+
+def test_populate_threads_are_named_daemons_and_stop_within_their_chunk(mapping, monkeypatch):
+    _, mm, path = mapping
+    monkeypatch.setattr(populate, "POPULATE_CHUNK", P)
+    release, entered, real = threading.Event(), threading.Semaphore(0), populate.prefault
+
+    def held(*args):
+        entered.release()
+        assert release.wait(30), "the test never released the populate"
+        real(*args)
+
+    monkeypatch.setattr(populate, "prefault", held)
+    p = Populator(mm, 0, 16 * P, 2, path)
+    p.start()
+    try:
+        assert entered.acquire(timeout=30) and entered.acquire(timeout=30)  # both in a chunk
+        threads = [t for t in threading.enumerate() if t.name.startswith("ecoffload-populate-")]
+        assert sorted(t.name for t in threads) == ["ecoffload-populate-0", "ecoffload-populate-1"]
+        assert all(t.daemon for t in threads)  # never keep the interpreter alive
+    finally:
+        p._stop.set()
+        release.set()
+        p.stop()
+    assert not any(t.is_alive() for t in threads)
+    assert arena_format.read_ready(mm, 16 * P) == 2 * P  # the two chunks in flight, no more
