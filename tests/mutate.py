@@ -132,6 +132,11 @@ MODULES: dict[str, list[str]] = {
     # the modules of issue 22's split (arena.py, shared_catalog.py before it)
     **{f"engine/{name}.py": ARENA_TESTS for name in ARENA_MODULES},
     **{f"engine/{name}.py": shared_catalog_tests(name) for name in SHARED_CATALOG_MODULES},
+    # opening a region: its own tests (4 s: descriptors counted after gc), then the list
+    "engine/shared_catalog_region.py": [
+        "tests/test_shared_catalog_region.py",
+        *shared_catalog_tests("shared_catalog_region"),
+    ],
     # the binding, made once at import (no mutant of it runs otherwise), then the locking
     "engine/robust_mutex.py": ["tests/test_robust_mutex.py", *shared_catalog_tests("robust_mutex")],
     # owners' liveness: its own tests, and the shared catalog dropping a dead process's pins
