@@ -64,6 +64,7 @@ SHARED_CATALOG_FILES = [
     "tests/test_shared_catalog_check.py",  # each invariant of check() broken by hand
     "tests/test_shared_catalog_format.py",  # the layout's offsets, sizes, shape and dtype words
     "tests/test_shared_catalog_recovery.py",  # what the rebuild keeps of each kind of damage
+    "tests/test_shared_catalog_reads.py",  # keys from slots, one entry an item, clean reads
     "tests/test_shared_catalog_stateful.py",  # 30 examples under ECOFFLOAD_MUTATION (150 in CI)
 ]
 # The shared catalog's multi-second tests (other processes started, or a timed wait):

@@ -1,0 +1,93 @@
+"""Reading the shared catalog (engine/shared_catalog_reads.py): entries read their
+keys from the slot table, an object keeps one entry per item and refreshes it in
+place, a CRC of 0 is a checksum like any other, and reads never mark the catalog
+dirty (a reader that dies holding the lock costs no rebuild)."""
+
+import os
+
+from test_catalog import B, open_shared
+
+from ecoffload.engine import shared_catalog_format as f
+from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.shared_catalog import SharedCatalog
+
+
+def reopen(path) -> SharedCatalog:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return SharedCatalog(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def test_entries_read_every_key_from_the_slot_table_in_slot_order(tmp_path):
+    c = open_shared(tmp_path / "c", 16, max_items=6, max_key_bytes=8)
+    for key in ("k", "longkey8", "two", "é"):  # one byte, the maximum, a two-byte character
+        c.reserve(key, B, dtype="float16", shape=(2, 3))
+    c.commit("longkey8")
+    c.abort("two")  # its slot is skipped
+    other = reopen(tmp_path / "c")  # has seen no key: reads each from its slot
+    got = [(e.key, e.slot, e.state, e.dtype, e.shape) for e in other.entries()]
+    assert got == [
+        ("k", 0, ItemState.WRITING, "float16", (2, 3)),
+        ("longkey8", 1, ItemState.READY, "float16", (2, 3)),
+        ("é", 3, ItemState.WRITING, "float16", (2, 3)),
+    ]
+    assert [e.key for e in other.entries()] == ["k", "longkey8", "é"]  # and again, seen
+    other.close()
+    c.close()
+
+
+def test_an_object_keeps_one_entry_per_item_and_refreshes_it_in_place(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    writing = c.reserve("a", B)
+    assert c.entry("a") is writing and c.entry("a") is writing  # WRITING: no rebuild
+    ready = c.commit("a", 5)
+    assert ready.state is ItemState.READY and ready.checksum == 5
+    assert c.lookup("a") is ready and c.entry("a") is ready and c.entries() == [ready]
+    c.pin("a")
+    assert ready.pins == 1  # refreshed in place
+    other = reopen(tmp_path / "c")
+    seen = other.entry("a")
+    assert other.lookup("a") is seen and other.entries()[0] is seen
+    other.close()
+    c.unpin("a")
+    c.close()
+
+
+def test_a_crc_of_0_is_a_checksum_and_none_is_none(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    for key, crc in (("zero", 0), ("none", None), ("top", 2**32 - 1)):
+        c.reserve(key, B)
+        c.commit(key, crc)
+    other = reopen(tmp_path / "c")
+    for reader in (c, other):
+        assert [reader.entry(k).checksum for k in ("zero", "none", "top")] == [0, None, 2**32 - 1]
+    other.close()
+    c.close()
+
+
+def test_reads_never_mark_the_catalog_dirty(tmp_path, monkeypatch):
+    c = open_shared(tmp_path / "c", 8)
+    c.reserve("a", B)
+    c.commit("a")
+    marks = []
+
+    def watch(name):
+        inner = getattr(c, name)
+
+        def watched(*args, **kwargs):
+            marks.append((name, c._w[f.H_DIRTY]))  # under the lock, inside the read
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(c, name, watched)
+
+    for name in ("_slot_of", "_snapshot", "_largest_free_extent"):
+        watch(name)
+    assert c.state("a") is ItemState.READY
+    assert c.entry("a").key == "a"
+    assert [e.key for e in c.entries()] == ["a"]
+    assert c.stats().items_resident == 1
+    assert {name for name, _ in marks} == {"_slot_of", "_snapshot", "_largest_free_extent"}
+    assert [dirty for _, dirty in marks] == [0] * len(marks)
+    c.close()
