@@ -35,7 +35,8 @@ def test_the_sizes_default_to_one_item_a_block_and_at_least_64_pin_records():
     assert f.layout_for(100, B, 70, 256, None) == f.Layout(100, B, 70, 256, 70)
     assert f.layout_for(100, B, 70, 32, 7) == f.Layout(100, B, 70, 32, 7)
     assert f.meta_bytes(100, B) == f.Layout(100, B, 100, f.DEFAULT_MAX_KEY_BYTES, 100).nbytes
-    assert f.meta_bytes(100, B, 70, 32, 7) == f.Layout(100, B, 70, 32, 7).nbytes
+    assert f.meta_bytes(100, B, 70, 32, 1000) == f.Layout(100, B, 70, 32, 1000).nbytes
+    assert f.meta_bytes(100, B, 70, 32, 1000) > f.meta_bytes(100, B, 70, 32)  # pages apart
 
 
 @pytest.mark.parametrize("name", ["num_blocks", "block_bytes", "max_items", "max_key_bytes",
@@ -79,6 +80,8 @@ def test_a_dtype_is_stored_by_name_in_two_words(monkeypatch):
     monkeypatch.setattr(f, "_DTYPES", {})  # from empty: the test process may have filled it
     assert f.dtype_words("float16") == ("float16", *words("float16"))
     assert f.dtype_words(torch.bfloat16) == ("torch.bfloat16", *words("torch.bfloat16"))
+    high = "abcdefgé"  # UTF-8: the first word's top byte is 0xc3, a negative int64
+    assert f.dtype_words(high) == (high, *words(high)) and words(high)[0] < 0
     sixteen = "complex128_alike"  # 16 bytes: both words full
     assert f.dtype_words(sixteen) == (sixteen, *words(sixteen))
     assert words(sixteen)[1] != 0
