@@ -4,6 +4,7 @@ place, a CRC of 0 is a checksum like any other, and reads never mark the catalog
 dirty (a reader that dies holding the lock costs no rebuild)."""
 
 import os
+import zlib
 
 from test_catalog import B, open_shared
 
@@ -90,4 +91,50 @@ def test_reads_never_mark_the_catalog_dirty(tmp_path, monkeypatch):
     assert c.stats().items_resident == 1
     assert {name for name, _ in marks} == {"_slot_of", "_snapshot", "_largest_free_extent"}
     assert [dirty for _, dirty in marks] == [0] * len(marks)
+    c.close()
+
+
+def test_keys_whose_crc32_collide_are_told_apart_by_their_bytes(tmp_path):
+    c = open_shared(tmp_path / "c", 8)
+    assert zlib.crc32(b"plumless") == zlib.crc32(b"buckeroo")  # one hash, one chain
+    c.reserve("plumless", B)
+    c.commit("plumless")
+    other = reopen(tmp_path / "c")  # finds keys through the hash table only
+    assert (other.state("buckeroo"), other.lookup("buckeroo")) == (None, None)
+    c.reserve("buckeroo", 2 * B)
+    c.commit("buckeroo")
+    assert [other.entry(k).nbytes for k in ("plumless", "buckeroo")] == [B, 2 * B]
+    other.close()
+    c.close()
+
+
+def test_a_key_seen_before_is_found_without_hashing_it(tmp_path, monkeypatch):
+    c = open_shared(tmp_path / "c", 8)
+    for key in "ab":  # slots 0 and 1
+        c.reserve(key, B)
+        c.commit(key)
+    other = reopen(tmp_path / "c")
+    finds = []
+    inner = other._find
+    monkeypatch.setattr(other, "_find", lambda kb, h: finds.append(kb) or inner(kb, h))
+    for _ in range(3):
+        assert (other.state("a"), other.state("b")) == (ItemState.READY, ItemState.READY)
+    assert finds == [b"a", b"b"]  # each once, the first time
+    c.evict("a")
+    assert other.state("a") is None  # its slot freed: the table asked again
+    assert finds == [b"a", b"b", b"a"]
+    other.close()
+    c.close()
+
+
+def test_an_object_remembers_at_most_max_items_entries(tmp_path):
+    c = open_shared(tmp_path / "c", 8, max_items=3)
+    sizes = []
+    for n in range(10):
+        c.reserve(f"k{n}", B)  # evicts the oldest from the fourth on
+        c.commit(f"k{n}")
+        sizes.append(len(c._seen))
+        c.entry(f"k{n}")  # seen again: no growth
+        assert len(c._seen) == sizes[-1]
+    assert sizes == [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]  # full: emptied before the next key
     c.close()
