@@ -3,20 +3,25 @@ first opener formats it with the layout given, later openers check theirs
 against it, every refusal says what was found and leaves no descriptor or map
 behind, and opening reaps what dead processes left."""
 
+import fcntl
 import gc
 import logging
 import mmap
 import os
 import signal
+import threading
 import weakref
+import zlib
 
 import pytest
 from test_catalog import B
 
-from ecoffload.engine import robust_mutex
+from ecoffload.engine import robust_mutex, shared_catalog_recovery
 from ecoffload.engine import shared_catalog_format as f
 from ecoffload.engine.arena import Arena
+from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogLockError, InvalidSizeError
+from ecoffload.engine.janitor import ofd_lock
 from ecoffload.engine.liveness import boot_id
 from ecoffload.engine.shared_catalog import SharedCatalog, meta_bytes
 
@@ -97,7 +102,8 @@ def test_a_region_without_a_catalog_needs_both_block_sizes_to_format_it(tmp_path
     os.close(zero_file(tmp_path / "c", meta_bytes(8, B)))
     for layout in ({}, {"num_blocks": 8}, {"block_bytes": B}):
         err = refusal(ArenaLayoutMismatch, tmp_path / "c", **layout)
-        assert (err.field, err.expected, err.found) == ("catalog magic", f.MAGIC, 0)
+        assert (err.path, err.field, err.expected, err.found) == (
+            str(tmp_path / "c"), "catalog magic", f.MAGIC, 0)  # fmt: skip
 
 
 def test_refusals_of_the_region_say_what_it_needs(tmp_path):
@@ -109,6 +115,9 @@ def test_refusals_of_the_region_say_what_it_needs(tmp_path):
     os.close(fd)
     err = refusal(InvalidSizeError, tmp_path / "c", 1016, num_blocks=8, block_bytes=B)
     assert str(err) == "the catalog region must hold its 1024-byte header, got 1016 bytes"
+    err = refusal(InvalidSizeError, tmp_path / "c", 1024, num_blocks=8, block_bytes=B)
+    assert str(err) == (f"the catalog needs a region of {meta_bytes(8, B)} bytes, got 1024: "
+                        "size the region with shared_catalog.meta_bytes(...)")  # fmt: skip
     need = meta_bytes(100_000, B)
     err = refusal(InvalidSizeError, tmp_path / "c", num_blocks=100_000, block_bytes=B)
     assert str(err) == (f"the catalog needs a region of {need} bytes, got {4 * mmap.PAGESIZE}: "
@@ -134,7 +143,14 @@ def test_a_recorded_size_that_disagrees_with_the_layout_or_the_region_is_refused
     record(size)
     open_region(tmp_path / "c", size).close()
     err = refusal(ArenaLayoutMismatch, tmp_path / "c", size - mmap.PAGESIZE)  # too short
-    assert (err.field, err.expected, err.found) == ("catalog meta_bytes", size, size)
+    assert (err.path, err.field, err.expected, err.found) == (
+        str(tmp_path / "c"), "catalog meta_bytes", size, size)  # fmt: skip
+    with open(tmp_path / "c", "r+b") as file:
+        file.seek(8 * f.H_VERSION)
+        file.write((f.VERSION - 1).to_bytes(8, "little"))
+    err = refusal(ArenaLayoutMismatch, tmp_path / "c", size)
+    assert (err.path, err.field, err.expected, err.found) == (
+        str(tmp_path / "c"), "catalog version", f.VERSION, f.VERSION - 1)  # fmt: skip
 
 
 def test_without_a_robust_mutex_the_catalog_is_refused_by_name(tmp_path, monkeypatch):
@@ -196,8 +212,8 @@ def test_close_is_idempotent_and_leaves_nothing_mapped(tmp_path):
     c.close()
     c.close()
     assert descriptors() == before and c._mm is None
-    for view in ("_w", "_i", "_k", "_fs", "_ec", "_mx", "_fast"):
-        assert view not in c.__dict__
+    for name in ("_w", "_i", "_k", "_fs", "_fe", "_fn", "_fp", "_ec", "_en", "_mx", "_fast"):
+        assert name not in c.__dict__  # a later call fails on the name, never the address
     with open_region(tmp_path / "c") as d:
         assert d._mm is not None
     assert d._mm is None and descriptors() == before
@@ -227,4 +243,87 @@ def test_for_arena_needs_a_metadata_region_and_follows_the_arena_weakly(tmp_path
     gc.collect()
     assert ref() is None  # the catalog kept no reference to it
     assert c._ready_of() == 0
+    c.close()
+
+
+def test_a_catalog_opened_without_a_path_is_named_by_its_descriptor(tmp_path):
+    fd = zero_file(tmp_path / "c", meta_bytes(8, B))
+    c = SharedCatalog(fd, 0, meta_bytes(8, B), num_blocks=8, block_bytes=B)
+    assert c.path == f"fd {fd}"
+    c.close()
+    os.close(fd)
+
+
+def test_the_first_opener_says_nothing_of_another_boot(tmp_path, caplog):
+    os.close(zero_file(tmp_path / "c", meta_bytes(8, B)))
+    with caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_catalog"):
+        c = open_region(tmp_path / "c", num_blocks=8, block_bytes=B)
+    assert caplog.records == []  # it recorded this boot as it formatted
+    assert (c._w[f.H_BOOT], c._w[f.H_BOOT + 1]) == boot_id()
+    c.close()
+
+
+def test_a_key_is_chained_in_the_bucket_its_crc32_names(tmp_path):
+    os.close(zero_file(tmp_path / "c", meta_bytes(8, B, 5)))
+    c = open_region(tmp_path / "c", num_blocks=8, block_bytes=B, max_items=5)
+    for key in ("a", "b", "c", "d", "e"):  # 8 buckets: what another process or the C path reads
+        s = c.reserve(key, B).slot
+        at = c._w[c._bk + zlib.crc32(key.encode()) % 8]
+        while at != s:
+            assert at >= 0, f"{key!r} is not in bucket {zlib.crc32(key.encode()) % 8}"
+            at = c._w[c._sl + at * f.SLOT_WORDS + f.S_HNEXT]
+    c.close()
+
+
+def test_a_refused_open_leaves_nothing_for_its_finaliser(tmp_path, monkeypatch):
+    os.close(zero_file(tmp_path / "c", meta_bytes(8, B)))
+    raised = []
+    monkeypatch.setattr("sys.unraisablehook", raised.append)
+    fd = os.open(tmp_path / "c", os.O_RDWR)
+    for offset, size in ((100, mmap.PAGESIZE), (0, 1016)):  # before and after the map
+        with pytest.raises(InvalidSizeError):
+            SharedCatalog(fd, offset, size, num_blocks=8, block_bytes=B)
+        gc.collect()
+    os.close(fd)
+    assert raised == []
+
+
+def test_opening_waits_for_another_opener_formatting_the_region(tmp_path):
+    os.close(zero_file(tmp_path / "c", meta_bytes(8, B)))
+    other = os.open(tmp_path / "c", os.O_RDWR)  # another description: its lock conflicts
+    ofd_lock(other, fcntl.F_WRLCK, 0, wait=True)
+    got = []
+    t = threading.Thread(target=lambda: got.append(open_region(tmp_path / "c", num_blocks=8,
+                                                              block_bytes=B)))  # fmt: skip
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and got == []  # waiting for the first byte's lock
+    ofd_lock(other, fcntl.F_UNLCK, 0, wait=False)
+    t.join(20)
+    assert len(got) == 1
+    got[0].check()
+    got[0].close()
+    os.close(other)
+
+
+def test_an_error_while_reaping_on_open_leaves_the_rebuild_to_the_next_locker(
+    tmp_path, monkeypatch
+):
+    os.close(zero_file(tmp_path / "c", meta_bytes(8, B)))
+    c = open_region(tmp_path / "c", num_blocks=8, block_bytes=B)
+    c.reserve("w", B)  # a reservation: opening asks whether its process lives
+    recoveries = c.recoveries
+
+    def fails(*args):
+        raise RuntimeError("/proc unreadable")
+
+    monkeypatch.setattr(shared_catalog_recovery, "alive", fails)
+    before = descriptors()
+    with pytest.raises(RuntimeError, match="/proc unreadable"):
+        open_region(tmp_path / "c")
+    assert descriptors() == before
+    monkeypatch.undo()
+    assert c.state("w") is ItemState.WRITING  # the reap may have stopped anywhere: rebuilt
+    assert c.recoveries == recoveries + 1
+    c.check()
     c.close()
