@@ -18,7 +18,9 @@ max_items=8, max_pins=4)::
 
 from __future__ import annotations
 
+import logging
 import os
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -26,6 +28,7 @@ from test_catalog import B, open_shared
 
 from ecoffload.engine import shared_catalog_format as f
 from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.errors import InvalidSizeError
 from ecoffload.engine.liveness import process_start_time
 from ecoffload.engine.shared_catalog import SharedCatalog
 
@@ -176,4 +179,93 @@ def test_a_rebuild_of_an_empty_catalog_leaves_every_block_free(tmp_path):
     c.recover()
     assert (c._w[f.H_TICK], c.stats().free_blocks, c.stats().largest_free_extent) == (7, 16, 16)
     c.check()
+    c.close()
+
+
+def test_reap_releases_what_dead_processes_hold_and_counts_it(tmp_path):
+    c = healthy(tmp_path / "c")
+    c.reserve("w2", B)
+    for key in ("w", "w2"):  # reservations of a process that is gone (its start time)
+        c._w[slot(c, c.entry(key).slot) + f.S_START] += 1
+    c._w[pin(c, 0) + f.P_START] += 1  # so is the process that pinned b
+    c.reserve("mine", B)  # a live reservation stays
+    recoveries = c.recoveries
+    assert c.reap() == 3
+    assert {e.key: (e.state, e.pins) for e in c.entries()} == without(
+        "w", b=(READY, 0), mine=(WRITING, 0)
+    )
+    assert c.reap() == 0
+    assert c.recoveries == recoveries and c._w[f.H_DIRTY] == 0  # no rebuild: a sweep
+    c.check()
+    c.close()
+
+
+def put(c: SharedCatalog, data: bytearray, key: str, blocks: int, crc: int | None = -1):
+    """Reserve ``key``, fill its blocks, commit it with its bytes' CRC (``-1``), ``crc``."""
+    e = c.reserve(key, blocks * B)
+    payload = bytes([len(key)]) * (blocks * B)
+    at = 0
+    for start, count in e.extents:
+        data[start * B : (start + count) * B] = payload[at : at + count * B]
+        at += count * B
+    c.commit(key, zlib.crc32(payload) if crc == -1 else crc)
+    return e
+
+
+def test_verify_drops_each_damaged_item_past_the_ones_it_keeps(tmp_path, caplog):
+    c = open_shared(tmp_path / "c", 32, max_items=32)
+    data = bytearray(32 * B)
+    c.reserve("writing", B)  # slot 0: not READY, skipped
+    put(c, data, "no-crc", 1, None)  # slot 1: cannot be checked
+    pinned = [f"pinned{n}" for n in range(9)]
+    for key in pinned:  # 9 pinned items whose bytes fail: kept, 8 named
+        put(c, data, key, 1, 1)
+        c.pin(key)
+    put(c, data, "bad", 1, 1)
+    put(c, data, "zero", 1, 0)  # a recorded CRC of 0 is a CRC
+    good = put(c, data, "good", 2)
+    recoveries, evictions = c.recoveries, c.stats().evictions
+    with caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_catalog"):
+        assert c.verify(memoryview(data)) == 2
+    assert {e.key for e in c.entries()} == {"writing", "no-crc", "good", *pinned}
+    assert c.entry("good").extents == good.extents
+    assert (c.recoveries, c.stats().evictions) == (
+        recoveries + 1,
+        evictions,
+    )  # dropped, not evicted
+    assert c._w[f.H_DIRTY] == 0
+    path = str(tmp_path / "c")
+    records = [(r.levelname, r.msg, r.args) for r in caplog.records]
+    assert records[:3] == [
+        ("WARNING", "catalog %s: item %r fails its CRC-32; dropped", (path, "bad")),
+        ("WARNING", "catalog %s: item %r fails its CRC-32; dropped", (path, "zero")),
+        ("ERROR", "catalog %s: %d pinned item(s) fail their CRC-32 and stay until unpinned: %s",
+         (path, 9, pinned[:8])),
+    ]  # fmt: skip
+    level, msg, args = records[3]
+    assert (level, msg, args[0], args[2:]) == (
+        "INFO", "catalog %s verified in %.3f s: %d item(s) checked, %d dropped, %d without a CRC",
+        path, (12, 2, 1))  # fmt: skip
+    assert 0 <= args[1] < 60
+    c.check()
+    c.close()
+
+
+def test_verify_follows_an_item_s_extents_and_needs_the_whole_data_area(tmp_path):
+    c = open_shared(tmp_path / "c", 4)
+    data = bytearray(4 * B)
+    for key in ("s0", "a", "s2", "b"):
+        c.reserve(key, B)
+    c.abort("a")
+    c.abort("b")
+    two = put(c, data, "two", 2)
+    assert [tuple(e) for e in two.extents] == [(1, 1), (3, 1)]
+    assert c.verify(data) == 0 and c.state("two") is READY
+    data[3 * B] ^= 1
+    assert c.verify(data) == 1 and c.state("two") is None
+    with pytest.raises(InvalidSizeError) as err:
+        c.verify(bytearray(4 * B - 1))
+    assert str(err.value) == (
+        "verify needs the arena's data area, 16384 bytes (4 blocks of 4096); got 16383 bytes"
+    )
     c.close()
