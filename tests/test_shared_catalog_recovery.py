@@ -74,6 +74,18 @@ def steps(*damage):
     return corrupt
 
 
+def one_block_extents(c: SharedCatalog, s: int, blocks: list[int]) -> None:
+    """Make slot ``s`` an item of one-block extents at ``blocks``, chained in order."""
+    for block, after in zip(blocks, [*blocks[1:], -1], strict=True):
+        c._i[c._ec + block], c._i[c._en + block] = 1, after
+    b = slot(c, s)
+    c._w[b + f.S_EXT], c._w[b + f.S_BLOCKS], c._w[b + f.S_NBYTES] = (
+        blocks[0],
+        len(blocks),
+        len(blocks) * B,
+    )
+
+
 def without(*keys: str, **changed) -> dict:
     return {k: v for k, v in HEALTHY.items() if k not in keys} | changed
 
@@ -109,6 +121,40 @@ CASES = {
             word(lambda c: slot(c, 3) + f.S_NBYTES, 0),
         ),
         without("z"),
+    ),
+    # an empty key hashes to 0: only its length frees it
+    "key-length-0-with-the-empty-key-s-hash": (
+        steps(
+            word(lambda c: slot(c, 3) + f.S_KLEN, 0),
+            word(lambda c: slot(c, 3) + f.S_HASH, 0),
+        ),
+        without("z"),
+    ),
+    "extent-start-far-past-the-blocks": (
+        word(lambda c: slot(c, 3) + f.S_EXT, 1 << 40),
+        without("z"),
+    ),
+    # z's chain starts with a zero-count extent at a free block: the blocks still add up
+    "zero-count-extent-in-a-chain": (
+        steps(
+            word(lambda c: c._ec + 10, 0, "_i"),
+            word(lambda c: c._en + 10, 6, "_i"),
+            word(lambda c: slot(c, 3) + f.S_EXT, 10),
+        ),
+        without("z"),
+    ),
+    "extent-over-slot-0-s": (  # (1, 1) inside abcd's (0, 2)
+        steps(
+            word(lambda c: c._ec + 1, 1, "_i"),
+            word(lambda c: c._en + 1, -1, "_i"),
+            word(lambda c: slot(c, 3) + f.S_EXT, 1),
+        ),
+        without("z"),
+    ),
+    # z made of ten one-block extents, adjacent ones too: a chain, kept whole
+    "a-chain-of-ten-one-block-extents": (
+        lambda c: one_block_extents(c, 3, [6, *range(7, 16)]),
+        without(z=(READY, 0)),
     ),
     "hash-off": (word(lambda c: slot(c, 3) + f.S_HASH, lambda h: h ^ 1), without("z")),
     "key-changed": (word(lambda c: 3 * 4, ord("y"), "_k"), without("z")),
@@ -268,4 +314,14 @@ def test_verify_follows_an_item_s_extents_and_needs_the_whole_data_area(tmp_path
     assert str(err.value) == (
         "verify needs the arena's data area, 16384 bytes (4 blocks of 4096); got 16383 bytes"
     )
+    c.close()
+
+
+@pytest.mark.parametrize(("recorded", "kept"), [(-3, 0), (0, 0), (7, 7), (16, 16), (17, 16)])
+def test_the_rebuild_keeps_the_watermark_within_the_blocks(tmp_path, recorded, kept):
+    c = open_shared(tmp_path / "c", 16)
+    c._w[f.H_READY_BLOCKS] = recorded
+    c.recover()
+    assert (c.allocator.ready_blocks, c.stats().free_blocks) == (kept, kept)
+    c.check()
     c.close()
