@@ -86,16 +86,10 @@ class LRUPolicy:
             return True
         if w[H_FREE_BLOCKS] + w[H_EVICTABLE] < need or (w[H_SLOT_FREE] < 0 and not w[H_EVICTABLE]):
             now = time.monotonic()
-            if now - self._last_reap < 0.05 or not self._reap(force=True):
+            if now - self._last_reap < 0.05 or not self._reap():
                 self._last_reap = now
                 return False
-            self._last_reap = now
-            if need <= w[H_FREE_BLOCKS] and w[H_SLOT_FREE] >= 0:
-                return True
-            if w[H_FREE_BLOCKS] + w[H_EVICTABLE] < need or (
-                w[H_SLOT_FREE] < 0 and not w[H_EVICTABLE]
-            ):
-                return False
+            self._last_reap = now  # the walk below finds whether the reap made room enough
         sl = self._sl
         victims, room, slot_free = [], w[H_FREE_BLOCKS], w[H_SLOT_FREE] >= 0
         s = w[H_LRU_HEAD]

@@ -179,7 +179,7 @@ class Pins:
             r = w[p + P_NEXT]
         if r < 0:
             r = w[H_PIN_FREE]
-            if r < 0 and self._reap(force=True):
+            if r < 0 and self._reap():
                 r = w[H_PIN_FREE]
                 head = w[b + S_PIN_HEAD]  # the reap unlinked dead processes' records
             if r < 0:

@@ -83,7 +83,7 @@ class Recovery:
         """Abort reservations and drop pins of processes that are gone; how many."""
         self._enter()
         try:
-            n = self._reap(force=True)
+            n = self._reap()
         except BaseException:
             self._exit(False)
             raise
@@ -167,7 +167,7 @@ class Recovery:
         )  # fmt: skip
         return dropped
 
-    def _reap(self, *, force: bool) -> int:
+    def _reap(self) -> int:
         """Abort WRITING items and drop pins of dead processes (lock held, dirty set)."""
         w, sl, pn = self._w, self._sl, self._pn
         seen: dict = {}

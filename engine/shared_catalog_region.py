@@ -142,7 +142,7 @@ class CatalogRegion:
                 self._w[H_BOOT], self._w[H_BOOT + 1] = boot
             self._enter()  # recovers if dirty; else a sweep for the dead
             try:
-                self._reap(force=True)
+                self._reap()
             except BaseException:
                 self._exit(False)
                 raise

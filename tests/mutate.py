@@ -127,6 +127,10 @@ SHARED_CATALOG_FILES = [
     "tests/test_shared_catalog_pins.py",
     "tests/test_shared_catalog_lru.py",
     "tests/test_shared_catalog_extents.py",
+    "tests/test_shared_catalog_check.py",  # each invariant of check() broken by hand
+    "tests/test_shared_catalog_format.py",  # the layout's offsets, sizes, shape and dtype words
+    "tests/test_shared_catalog_recovery.py",  # what the rebuild keeps of each kind of damage
+    "tests/test_shared_catalog_reads.py",  # keys from slots, one entry an item, clean reads
     "tests/test_shared_catalog_stateful.py",  # 30 examples under ECOFFLOAD_MUTATION (150 in CI)
 ]
 # The shared catalog's multi-second tests (other processes started, or a timed wait):
@@ -197,6 +201,11 @@ MODULES: dict[str, list[str]] = {
     **{f"engine/{name}.py": arena_tests(name) for name in ARENA_MODULES},
     "engine/janitor.py": JANITOR_TESTS,
     **{f"engine/{name}.py": shared_catalog_tests(name) for name in SHARED_CATALOG_MODULES},
+    # opening a region: its own tests (4 s: descriptors counted after gc), then the list
+    "engine/shared_catalog_region.py": [
+        "tests/test_shared_catalog_region.py",
+        *shared_catalog_tests("shared_catalog_region"),
+    ],
     # the binding, made once at import (no mutant of it runs otherwise), then the locking
     "engine/robust_mutex.py": ["tests/test_robust_mutex.py", *shared_catalog_tests("robust_mutex")],
     # owners' liveness: its own tests, and the shared catalog dropping a dead process's pins
