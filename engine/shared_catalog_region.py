@@ -94,15 +94,17 @@ class CatalogRegion:
                 "the C library offers no robust process-shared pthread mutex "
                 "(pthread_mutex_consistent): the shared catalog needs glibc or musl on Linux"
             )
+        if size < HEADER_BYTES:  # checked before anything is opened: nothing to close
+            raise InvalidSizeError(f"the catalog region must hold its {HEADER_BYTES}-byte "
+                                   f"header, got {size} bytes")  # fmt: skip
+        if size % 8:
+            raise InvalidSizeError(f"the catalog region is made of 8-byte words, got {size} "
+                                   "bytes: give the size meta_bytes() computed")  # fmt: skip
         self.path = path or f"fd {fd}"
         self._fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         self._region = (offset, size)
         self._mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, offset=offset)
         self._w = memoryview(self._mm).cast("q")
-        if size < HEADER_BYTES:
-            self.close()
-            raise InvalidSizeError(f"the catalog region must hold its {HEADER_BYTES}-byte "
-                                   f"header, got {size} bytes")  # fmt: skip
         at = ctypes.c_char.from_buffer(self._mm, MUTEX_AT)
         self._mx = ctypes.c_void_p(ctypes.addressof(at))  # valid while the map is
         del at  # (a live export would keep the map from closing)

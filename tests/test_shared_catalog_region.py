@@ -115,6 +115,9 @@ def test_refusals_of_the_region_say_what_it_needs(tmp_path):
     os.close(fd)
     err = refusal(InvalidSizeError, tmp_path / "c", 1016, num_blocks=8, block_bytes=B)
     assert str(err) == "the catalog region must hold its 1024-byte header, got 1016 bytes"
+    err = refusal(InvalidSizeError, tmp_path / "c", 1030, num_blocks=8, block_bytes=B)
+    assert str(err) == ("the catalog region is made of 8-byte words, got 1030 bytes: give "
+                        "the size meta_bytes() computed")  # fmt: skip
     err = refusal(InvalidSizeError, tmp_path / "c", 1024, num_blocks=8, block_bytes=B)
     assert str(err) == (f"the catalog needs a region of {meta_bytes(8, B)} bytes, got 1024: "
                         "size the region with shared_catalog.meta_bytes(...)")  # fmt: skip
@@ -280,7 +283,7 @@ def test_a_refused_open_leaves_nothing_for_its_finaliser(tmp_path, monkeypatch):
     raised = []
     monkeypatch.setattr("sys.unraisablehook", raised.append)
     fd = os.open(tmp_path / "c", os.O_RDWR)
-    for offset, size in ((100, mmap.PAGESIZE), (0, 1016)):  # before and after the map
+    for offset, size in ((100, mmap.PAGESIZE), (0, 1016), (0, 1030)):  # nothing opened
         with pytest.raises(InvalidSizeError):
             SharedCatalog(fd, offset, size, num_blocks=8, block_bytes=B)
         gc.collect()
