@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import pytest
 from test_catalog import B, open_shared
+from test_shared_catalog_check import pin, slot  # word indexes of a slot and a pin record
 
 from ecoffload.engine import shared_catalog_format as f
 from ecoffload.engine.catalog import ItemState
@@ -45,14 +46,6 @@ def healthy(path) -> SharedCatalog:
     c.pin("b")
     c.check()
     return c
-
-
-def slot(c: SharedCatalog, s: int) -> int:
-    return c._sl + s * f.SLOT_WORDS
-
-
-def pin(c: SharedCatalog, r: int) -> int:
-    return c._pn + r * f.PIN_WORDS
 
 
 def word(index: Callable[[SharedCatalog], int], value, view: str = "_w"):
