@@ -11,6 +11,8 @@ import logging
 import os
 import signal
 import struct
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -241,3 +243,26 @@ def test_only_a_shared_arena_whose_populator_is_gone_is_taken_over(arena_dir, he
     finally:
         held_populate.set()
         plain.close()
+
+
+def test_a_shared_arena_whose_janitor_cannot_start_is_closed_and_refused(
+    arena_dir, monkeypatch, caplog
+):
+    path = os.path.join(arena_dir, "s")
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the janitor's Python: exits 1
+    with pytest.raises(ArenaError) as err:
+        open_shared(arena_dir)
+    assert str(err.value) == (
+        f"could not start the janitor that removes {path} once its last holder ends "
+        f"({err.value.__cause__}): check that /bin/false can run a script with -I -S"
+    )
+    assert isinstance(err.value.__cause__, subprocess.CalledProcessError)
+    # closed by its only holder, so removed, though the error (and its traceback) is
+    # kept here: no descriptor, no mapping, no name left
+    assert not os.path.exists(path)
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{fd}")]  # fmt: skip
+    assert not [fd for fd in fds if fd.startswith(path)]
+    with open("/proc/self/maps") as maps:
+        assert path not in maps.read()
+    assert "still alive" not in caplog.text
