@@ -210,5 +210,5 @@ class RegisteredArena:
             "arena %s: CUDA host registration failed (%s); transfers fall back to "
             "unregistered copies. Install ecoffload[cuda12] or [cuda13] for CuPy.",
             self.path,
-            exc,
+            exc.with_traceback(None),  # kept by handlers: must not hold frames on the mapping
         )

@@ -107,10 +107,16 @@ def test_an_arena_whose_registration_cannot_start_warns_or_with_always_refuses(
         f"arena {a.path}: CUDA host registration failed ({reason}); transfers fall back to "
         "unregistered copies. Install ecoffload[cuda12] or [cuda13] for CuPy."
     ]
+    # the record (kept by caplog) holds the error but no frame on the mapping: unmapped
+    assert "still alive" not in caplog.text
+    with open("/proc/self/maps") as maps:
+        assert a.path not in maps.read()
     with pytest.raises(ArenaError) as err:
         Arena.create("a", register_cuda="always", **kw)
     assert str(err.value) == f"CUDA host registration of {a.path} failed: {reason}"
     assert isinstance(err.value.__cause__, ImportError)
+    with open("/proc/self/maps") as maps:  # the error kept here: unmapped all the same
+        assert a.path not in maps.read()
 
 
 def test_without_cuda_always_is_refused_and_auto_stays_host_only(arena_dir, monkeypatch):
