@@ -225,9 +225,14 @@ def test_only_a_shared_arena_whose_populator_is_gone_is_taken_over(arena_dir, he
     try:
         populator = a._populator
         assert populator is not None and a.ready_blocks == 1
+        assert a._populator_alive()  # its own populate runs
         assert not a.resume_populate() and a._populator is populator  # not again
         with open_shared(arena_dir, populate="background") as j:  # its populator lives
             assert j._populator is None and not j.resume_populate() and j._populator is None
+            assert j._populator_alive()  # a holds the populator's lock...
+            held_populate.set()
+            a.close()
+            assert not j._populator_alive()  # ...until it closes: nobody populates now
     finally:
         held_populate.set()
         a.close()
@@ -240,6 +245,7 @@ def test_only_a_shared_arena_whose_populator_is_gone_is_taken_over(arena_dir, he
                           populate="background") as b:  # fmt: skip
             assert b.ready_blocks < 8
             assert not b.resume_populate() and b._populator is None  # its creator does it
+            assert b._populator_alive()  # the creator (this process) lives
     finally:
         held_populate.set()
         plain.close()
