@@ -302,6 +302,10 @@ def run(module: str, children: int, fast_only: bool = False) -> dict:
         else "survived" if c == 0 else f"other {c}" for c in codes.values()
     )  # fmt: skip
     survivors = sorted(k for k, c in codes.items() if c not in DETECTED)
+    # mutmut 3.8.1 has recorded a mutant stopped at its wall-clock limit while blocked in a
+    # system call (an OFD lock waited for forever) as passed: a survivor whose tests took
+    # about the limit is most likely such a hang; read it before counting it.
+    took = json.loads(meta.read_text()).get("durations_by_key", {})
     return {
         "module": module + (" (fast only)" if fast_only else ""),
         "mutants": len(codes),
@@ -310,6 +314,7 @@ def run(module: str, children: int, fast_only: bool = False) -> dict:
         "seconds": round(seconds),
         "status": dict(status),
         "survivors": survivors,
+        "seconds_by_survivor": {k: round(took.get(k, 0.0), 1) for k in survivors},
         "applied": applied,  # the mutants run through APPLIED (their codes are in the counts)
     }
 
@@ -358,7 +363,8 @@ def main() -> None:
               f"{r['seconds']:6}s  {r['status']}")  # fmt: skip
     for r in results:
         for name in r["survivors"]:
-            print(f"survived: {name}  ({r['module']}, {r['status']})")
+            print(f"survived: {name}  ({r['module']}, its tests "
+                  f"{r['seconds_by_survivor'][name]} s)")  # fmt: skip
     out = REPO / ".mutate" / f"results-{int(time.time())}.json"
     out.write_text(json.dumps(results, indent=1))
 
