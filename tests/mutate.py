@@ -302,9 +302,8 @@ def run(module: str, children: int, fast_only: bool = False) -> dict:
         else "survived" if c == 0 else f"other {c}" for c in codes.values()
     )  # fmt: skip
     survivors = sorted(k for k, c in codes.items() if c not in DETECTED)
-    # mutmut 3.8.1 has recorded a mutant stopped at its wall-clock limit while blocked in a
-    # system call (an OFD lock waited for forever) as passed: a survivor whose tests took
-    # about the limit is most likely such a hang; read it before counting it.
+    # each survivor's test time: one far above its peers' waited on something (a survivor
+    # costs every test that calls the function; a hang ends as a timeout, at the limit)
     took = json.loads(meta.read_text()).get("durations_by_key", {})
     return {
         "module": module + (" (fast only)" if fast_only else ""),
