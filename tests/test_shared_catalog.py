@@ -582,18 +582,39 @@ def test_entries_kept_by_an_object_equal_the_ones_another_decodes(tmp_path, comm
     b.close()
 
 
-# refusal -> (the call, the error): each before anything is written
+# refusal -> (the call, the error, its message whole): each before anything is written
 REFUSALS = {
-    "reserve-a-key-in-the-catalog": (lambda c: c.reserve("r", B), DuplicateItemError),
-    "commit-a-ready-item": (lambda c: c.commit("r"), ItemStateError),
-    "commit-a-stale-reservation": (lambda c: c.commit("w", generation=1), ItemStateError),
-    "abort-a-ready-item": (lambda c: c.abort("r"), ItemStateError),
-    "abort-a-stale-reservation": (lambda c: c.abort("w", generation=1), ItemStateError),
-    "abort-an-unknown-key": (lambda c: c.abort("nope"), UnknownItemError),
-    "evict-a-pinned-item": (lambda c: c.evict("p"), ItemStateError),
-    "evict-a-reservation": (lambda c: c.evict("w"), ItemStateError),
-    "lookup-pin-without-a-free-record": (lambda c: c.lookup("r", pin=True), CatalogCapacityError),
-}
+    "reserve-a-key-in-the-catalog": (
+        lambda c: c.reserve("r", B), DuplicateItemError,
+        "key 'r' is already in the catalog (ready); look it up instead of saving it again, or "
+        "evict it first"),
+    "commit-a-ready-item": (
+        lambda c: c.commit("r"), ItemStateError,
+        "commit('r') needs an item in state 'writing', found 'ready'"),
+    "commit-a-stale-reservation": (
+        lambda c: c.commit("w", generation=1), ItemStateError,
+        "commit('w'): reservation 1 is gone (the key was reserved again as 3); the bytes "
+        "written may be stale"),
+    "abort-a-ready-item": (
+        lambda c: c.abort("r"), ItemStateError,
+        "abort('r') needs an item in state 'writing', found 'ready'"),
+    "abort-a-stale-reservation": (
+        lambda c: c.abort("w", generation=1), ItemStateError,
+        "abort('w'): reservation 1 is gone (the key was reserved again as 3); leaving the "
+        "newer one alone"),
+    "abort-an-unknown-key": (
+        lambda c: c.abort("nope"), UnknownItemError,
+        "key 'nope' is not in the catalog (never reserved, aborted or evicted)"),
+    "evict-a-pinned-item": (
+        lambda c: c.evict("p"), ItemStateError,
+        "evict('p'): the item is pinned 1 time(s); unpin it first"),
+    "evict-a-reservation": (
+        lambda c: c.evict("w"), ItemStateError,
+        "evict('w') needs an item in state 'ready', found 'writing'"),
+    "lookup-pin-without-a-free-record": (
+        lambda c: c.lookup("r", pin=True), CatalogCapacityError,
+        "pin('r'): all 1 pin records are in use; create the catalog with a larger max_pins"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("refusal", REFUSALS)
@@ -601,7 +622,7 @@ def test_a_refused_call_leaves_the_catalog_clean(tmp_path, monkeypatch, refusal)
     """A CatalogError is raised before anything is written: the dirty mark is cleared, so
     the next locker does not rebuild (a rebuild of a large catalog stalls every process)."""
     monkeypatch.setenv(shared_catalog_native.ENV_VAR, "0")  # the Python way of each call
-    call, error = REFUSALS[refusal]
+    call, error, message = REFUSALS[refusal]
     c = open_shared(tmp_path / "c", 8, max_pins=1)
     for key in ("r", "p", "w"):  # slots 0, 1, 2; p pinned, with the one pin record
         c.reserve(key, B)
@@ -609,8 +630,9 @@ def test_a_refused_call_leaves_the_catalog_clean(tmp_path, monkeypatch, refusal)
     c.commit("p")
     c.pin("p")
     recoveries = c.recoveries
-    with pytest.raises(error):
+    with pytest.raises(error) as err:
         call(c)
+    assert err.value.args == (message,)  # generation 3: w, the third reservation
     assert c._w[shared_catalog_format.H_DIRTY] == 0
     other = reopen(tmp_path / "c")  # the next locker, another object
     assert [other.state(k) for k in ("r", "p", "w")] == [ItemState.READY, ItemState.READY,
@@ -733,3 +755,19 @@ def test_add_ready_never_lowers_a_watermark_another_process_raised_meanwhile(tmp
     c.check()
     c.close()
     other.close()
+
+
+def test_commit_writes_the_dtype_and_shape_the_writer_names_whole(tmp_path):
+    a = open_shared(tmp_path / "c", 8)
+    made = a.reserve("x", B)  # uint8, no shape
+    b = reopen(tmp_path / "c")  # the writer: another object
+    dims = (2, 3, 4, 5, 6, 7, 8, 9)  # every dimension word
+    got = b.commit("x", generation=made.generation, dtype="float8_e4m3fnuz", shape=dims)
+    assert (got.dtype, got.shape) == ("float8_e4m3fnuz", dims)  # 15 bytes: two words
+    fresh = reopen(tmp_path / "c")
+    for reader in (a, fresh):  # one that saw the reservation, one that did not
+        seen = reader.lookup("x")
+        assert (seen.dtype, seen.shape, seen.nbytes) == ("float8_e4m3fnuz", dims, B)
+    a.check()
+    for c in (a, b, fresh):
+        c.close()
