@@ -588,6 +588,10 @@ REFUSALS = {
         lambda c: c.reserve("r", B), DuplicateItemError,
         "key 'r' is already in the catalog (ready); look it up instead of saving it again, or "
         "evict it first"),
+    "reserve-a-key-too-long": (  # named by its first 40 characters, refused before the lock
+        lambda c: c.reserve("0123456789" * 26, B), CatalogCapacityError,
+        f"key {'0123456789' * 4!r}... is 260 bytes, this catalog holds keys of at most 256: "
+        "create the arena with a larger max_key_bytes"),
     "commit-a-ready-item": (
         lambda c: c.commit("r"), ItemStateError,
         "commit('r') needs an item in state 'writing', found 'ready'"),
@@ -771,3 +775,16 @@ def test_commit_writes_the_dtype_and_shape_the_writer_names_whole(tmp_path):
     a.check()
     for c in (a, b, fresh):
         c.close()
+
+
+def test_reservations_stop_asking_the_arena_once_every_block_is_ready(tmp_path):
+    c = open_ready(tmp_path / "c", 4, 1)
+    asked = []
+    c.follow_ready(lambda: asked.append(1) or 2 * len(asked))  # populate: 2, then 4 blocks
+    assert c.reserve("a", 2 * B).extents == [(0, 2)] and len(asked) == 1
+    assert c.reserve("b", 2 * B).extents == [(2, 2)] and len(asked) == 2
+    for key in "cd":  # all 4 ready: the arena's progress is not read again
+        assert c.reserve(key, B) is None
+    assert len(asked) == 2
+    c.check()
+    c.close()
