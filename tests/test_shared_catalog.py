@@ -761,10 +761,12 @@ def test_add_ready_never_lowers_a_watermark_another_process_raised_meanwhile(tmp
     other.close()
 
 
-def test_commit_writes_the_dtype_and_shape_the_writer_names_whole(tmp_path):
+def test_reserve_and_commit_write_the_dtype_and_shape_they_are_given_whole(tmp_path):
     a = open_shared(tmp_path / "c", 8)
-    made = a.reserve("x", B)  # uint8, no shape
+    made = a.reserve("x", B, "float8_e5m2fnuz", (1, 2, 3, 4, 5, 6, 7, 8))  # 15 bytes: two words
     b = reopen(tmp_path / "c")  # the writer: another object
+    seen = b.entry("x")  # decoded from the slot, not the reserving object's entry
+    assert (seen.dtype, seen.shape) == ("float8_e5m2fnuz", (1, 2, 3, 4, 5, 6, 7, 8))
     dims = (2, 3, 4, 5, 6, 7, 8, 9)  # every dimension word
     got = b.commit("x", generation=made.generation, dtype="float8_e4m3fnuz", shape=dims)
     assert (got.dtype, got.shape) == ("float8_e4m3fnuz", dims)  # 15 bytes: two words
