@@ -342,3 +342,18 @@ def test_an_error_inside_reap_leaves_the_rebuild_to_the_next_locker(tmp_path, mo
     assert (c.recoveries, c._w[f.H_DIRTY]) == (recoveries + 1, 0)
     c.check()
     c.close()
+
+
+def test_a_reap_after_a_rebuild_leaves_a_freed_pinned_slot_s_old_pin_list_alone(tmp_path):
+    c = healthy(tmp_path / "c")
+    b = slot(c, 1)
+    c._w[b + f.S_HASH] ^= 1  # b, pinned, no longer parses: the rebuild frees its slot
+    c.recover()  # its pin count and list head stay in the free slot; its records are freed
+    assert (c._w[b + f.S_PINS], c._w[b + f.S_PIN_HEAD]) == (1, 0)
+    assert c.reap() == 0  # nothing dead: the free slot's words are not a pin list
+    assert {e.key: (e.state, e.pins) for e in c.entries()} == without("b")
+    c.check()
+    assert [c.pin(key).pins for key in ("abcd", "z")] == [1, 1]
+    assert c.lookup("abcd", pin=True).pins == 2
+    c.check()
+    c.close()
