@@ -357,3 +357,35 @@ def test_a_reap_after_a_rebuild_leaves_a_freed_pinned_slot_s_old_pin_list_alone(
     assert c.lookup("abcd", pin=True).pins == 2
     c.check()
     c.close()
+
+
+def test_a_chain_that_cycles_through_block_0_is_freed_whatever_its_sizes_say(tmp_path):
+    """abcd's extent (0, 2) made to lead back to itself, its blocks and bytes words set to
+    what the bounded walk adds up (17 laps of 2 blocks): the walk stops on block 0, still
+    in the chain, and the slot is freed."""
+    c = healthy(tmp_path / "c")
+    b = slot(c, 0)
+    c._i[c._en + 0] = 0
+    c._w[b + f.S_BLOCKS], c._w[b + f.S_NBYTES] = 34, 34 * B
+    c.recover()
+    assert c._w[b + f.S_STATE] == f.FREE  # read before anything walks the chain
+    assert {e.key: (e.state, e.pins) for e in c.entries()} == without("abcd")
+    c.check()
+    c.close()
+
+
+def test_a_pin_record_naming_the_slot_past_the_table_is_freed(tmp_path):
+    """The word after the slot table is the first key's first bytes: a key of one byte 2
+    makes it read READY, as a slot's state word would."""
+    c = open_shared(tmp_path / "c", 4, max_key_bytes=8, max_items=4, max_pins=2)
+    for key in ("\x02", "x"):
+        c.reserve(key, B)
+        c.commit(key)
+    assert c._w[slot(c, 4) + f.S_STATE] == f.READY
+    p = pin(c, 1)  # a free record made a live pin of slot 4, one past the last slot
+    c._w[p + f.P_SLOT], c._w[p + f.P_PID] = 4, os.getpid()
+    c._w[p + f.P_START], c._w[p + f.P_COUNT] = process_start_time(os.getpid()), 1
+    c.recover()
+    assert [c.pin(key).pins for key in ("\x02", "x")] == [1, 1]  # both records free again
+    c.check()
+    c.close()
