@@ -389,3 +389,18 @@ def test_a_pin_record_naming_the_slot_past_the_table_is_freed(tmp_path):
     assert [c.pin(key).pins for key in ("\x02", "x")] == [1, 1]  # both records free again
     c.check()
     c.close()
+
+
+def test_the_rebuild_clears_a_stale_free_size_left_on_an_owned_block(tmp_path):
+    """z's block 6 carries the free size of an extent that started there before (a torn
+    update's leftover): once rebuilt, freeing w's block 5 beside it merges nothing of z."""
+    c = healthy(tmp_path / "c")
+    c._i[c._fs + 6] = 1
+    c.recover()
+    c.abort("w")
+    assert c.stats().free_blocks == 10 and c.stats().largest_free_extent == 9
+    c.check()  # block 6 is z's alone
+    assert c.reserve("ten", 10 * B).extents == [(5, 1), (7, 9)]  # z's block not among them
+    assert c.state("z") is READY
+    c.check()
+    c.close()
