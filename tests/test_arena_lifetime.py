@@ -7,6 +7,7 @@ test_arena_shared.py; these are the fast ones, where what is checked is the text
 reader acts on and the state left behind.
 """
 
+import fcntl
 import logging
 import os
 import signal
@@ -16,11 +17,13 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from ecoffload.engine import arena_format, populate
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.arena_format import ANY_LAYOUT, OWNER, OWNER_OFFSET
 from ecoffload.engine.errors import ArenaAttachTimeout, ArenaError
+from ecoffload.engine.janitor import ofd_lock as janitor_lock
 from ecoffload.engine.liveness import process_start_time
 
 B = 4096
@@ -347,3 +350,56 @@ def test_a_joiner_resumes_what_the_populating_process_left_from_its_prefix(
             assert j._populator is not None and j.wait_ready(10)
         assert published and min(published) > done  # from its prefix on: never backwards
         assert not j.resume_populate(mode)  # nothing left to resume
+
+
+def unwritten_header(pid: int, start: int) -> bytes:
+    """A file whose creator (``pid``, started at ``start`` ticks) has not written the magic."""
+    raw = bytearray(2 * arena_format.HEADER_BYTES)
+    arena_format.HEADER.pack_into(raw, 0, arena_format.UNWRITTEN, arena_format.FORMAT_VERSION,
+                                  arena_format.HEADER_BYTES, B, 1, arena_format.HEADER_BYTES,
+                                  pid, start, 1, 0, 1, 0, 0, 0)  # fmt: skip
+    return bytes(raw)
+
+
+def test_only_an_unfinished_file_nobody_holds_whose_creator_died_is_reclaimed(arena_dir, caplog):
+    me = (os.getpid(), process_start_time(os.getpid()))
+    path = leftover(arena_dir, unwritten_header(*me))  # its creator (this process) lives
+    with pytest.raises(ArenaAttachTimeout):
+        open_shared(arena_dir, num_blocks=None, timeout_s=0)
+    assert os.path.exists(path)
+    os.unlink(path)
+    path = leftover(arena_dir, unwritten_header(me[0], me[1] + 1))  # that pid, reused: dead
+    holder = os.open(path, os.O_RDWR)  # another holder: not this joiner's to decide
+    assert janitor_lock(holder, fcntl.F_RDLCK, arena_format.HOLDERS_BYTE, wait=False)
+    with pytest.raises(ArenaAttachTimeout):
+        open_shared(arena_dir, num_blocks=None, timeout_s=0)
+    assert os.path.exists(path)
+    os.close(holder)
+    with (
+        caplog.at_level(logging.WARNING, logger=LOG),
+        pytest.raises(ArenaAttachTimeout),  # alone: reclaimed, then nothing to join
+    ):
+        open_shared(arena_dir, num_blocks=None, timeout_s=0)
+    assert not os.path.exists(path)
+    assert messages(caplog) == [
+        f"arena {path}: its creator (process {me[0]}) died before finishing it; reclaiming it"
+    ]
+
+
+def test_a_joiner_s_refusals_name_the_file_and_what_it_found(arena_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # on a GPU host too
+    with open_shared(arena_dir, persistent=True) as s:
+        with pytest.raises(ArenaError) as err:
+            open_shared(arena_dir, persistent=False)
+        assert str(err.value) == (
+            f"arena {s.path} is persistent=True (set by the instance that created it), this "
+            "process asked persistent=False: give every instance the same setting, or use "
+            "another arena name"
+        )
+        with pytest.raises(ArenaError) as err:
+            open_shared(arena_dir, persistent=True, layout_key={"model": "other"})
+        assert str(err.value).startswith(f"arena {s.path}: header field 'layout_key' is ")
+        with pytest.raises(ArenaError) as err:  # no CUDA: "always" is refused at join
+            open_shared(arena_dir, persistent=True, register_cuda="always")
+        assert str(err.value) == "register_cuda='always' but CUDA is not available"
+    assert Arena.remove_shared("s", directory=arena_dir)
