@@ -403,3 +403,10 @@ def test_a_joiner_s_refusals_name_the_file_and_what_it_found(arena_dir, monkeypa
             open_shared(arena_dir, persistent=True, register_cuda="always")
         assert str(err.value) == "register_cuda='always' but CUDA is not available"
     assert Arena.remove_shared("s", directory=arena_dir)
+
+
+def test_open_shared_s_defaults_open_a_one_block_arena(arena_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "auto": host only
+    with Arena.open_shared("d", directory=arena_dir, block_bytes=B, num_blocks=1,
+                           layout_key=KEY) as a:  # fmt: skip
+        assert a.num_blocks == 1 and not a.registered and a.wait_ready(10)
