@@ -256,6 +256,7 @@ class Arena(SharedLifetime, RegisteredArena):
         try:
             arena._register(register_cuda, populate)
         except BaseException:
+            del mm, populator  # close unmaps only a mapping nothing else references
             arena.close()  # stops the populate threads and removes the file
             raise
         log.info(
@@ -300,7 +301,12 @@ class Arena(SharedLifetime, RegisteredArena):
             os.close(fd)
             raise
         arena._count_attach()
-        arena._register(register_cuda, populate)
+        try:
+            arena._register(register_cuda, populate)
+        except BaseException:
+            del mm  # close unmaps only a mapping nothing else references
+            arena.close()
+            raise
         log.info("attached arena %s", path)
         return arena
 
