@@ -467,8 +467,26 @@ def test_attach_logs_the_file_and_registers_as_asked(arena_dir, caplog):
         with pytest.raises(ArenaError) as err:  # this host has no CUDA
             Arena.attach("a", directory=arena_dir, layout_key=KEY, register_cuda="always")
         assert str(err.value) == "register_cuda='always' but CUDA is not available"
+
+
+def test_a_refused_attach_unmaps_at_once(arena_dir):
+    with create(arena_dir, register_cuda="never") as a:
+        with pytest.raises(ArenaError) as err:  # this host has no CUDA
+            Arena.attach("a", directory=arena_dir, layout_key=KEY, register_cuda="always")
         mapped = [m for m in Path("/proc/self/maps").read_text().splitlines() if a.path in m]
-        assert len(mapped) == 1  # the refused attacher unmapped at once: the creator's alone
+        assert len(mapped) == 1 and err.value  # the creator's alone, while the error lives
+
+
+def test_the_header_names_the_creator_the_sizes_and_no_catalog_owner(arena_dir):
+    with create(arena_dir, processes=3, meta_bytes=1) as a:
+        header = arena_format.read_header(a._mm)
+        pid = os.getpid()
+        assert header == arena_mod.Header(
+            arena_format.MAGIC, arena_format.FORMAT_VERSION, HEADER_BYTES, B, 16, HEADER_BYTES + B,
+            pid, arena_mod.process_start_time(pid), a.nonce, 3, 1, len(a.layout_key), 0, 0,
+        )  # fmt: skip
+        assert header.creator_start > 0 and not a.warm_started
+        a.claim_ownership()  # nobody owns a new arena
 
 
 def test_an_arena_dropped_without_close_is_closed_by_the_collector(arena_dir):
@@ -479,3 +497,19 @@ def test_an_arena_dropped_without_close_is_closed_by_the_collector(arena_dir):
     assert not os.path.exists(path)  # the creator's close unlinked it
     with pytest.raises(OSError):
         os.fstat(fd)  # and closed its descriptor
+
+
+def test_a_view_that_outlives_close_keeps_the_mapping_until_it_is_freed(arena_dir, caplog):
+    a = create(arena_dir)
+    view = a.host[:4]
+    view[:] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, logger=arena_mod.log.name):
+        a.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"arena {a.path}: tensors created from it are still alive; the mapping is released "
+        "when they are freed"
+    ]
+    assert view.tolist() == [1, 2, 3, 4]  # still mapped, never dangling
+    del view
+    gc.collect()
+    assert [m for m in Path("/proc/self/maps").read_text().splitlines() if a.path in m] == []

@@ -27,7 +27,12 @@ from ecoffload.engine.allocator import BlockAllocator, Extent
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.cache import OffloadCache
 from ecoffload.engine.catalog import Catalog
-from ecoffload.engine.errors import ArenaError, ArenaStaleError, InvalidSizeError
+from ecoffload.engine.errors import (
+    ArenaAttachTimeout,
+    ArenaError,
+    ArenaStaleError,
+    InvalidSizeError,
+)
 from ecoffload.engine.transfer import BlockMover
 
 B = 4096
@@ -683,3 +688,58 @@ def test_repr_names_the_file_the_size_the_state_and_the_role(arena_dir, fake_cup
     fake_cupy()
     with create(arena_dir, num_blocks=4, populate="lazy", register_cuda="auto") as c:
         assert repr(c) == f"Arena({c.path!r}, 4 x 4096 B, cuda, creator)"
+        assert c.device_view(ALIAS.device) is ALIAS and c.device is ALIAS
+    assert not c.registered and c.device is None  # closed: no registration, no alias
+    assert c.registered_fraction == 0.0 and not c.covers([(0, 1)])
+
+
+def test_an_attacher_during_an_eager_populate_waits_for_the_header(arena_dir, monkeypatch):
+    release = hold_populate(monkeypatch)
+    made = []
+    creator = threading.Thread(target=lambda: made.append(create(arena_dir, num_blocks=16)))
+    creator.start()
+    try:
+        with pytest.raises(ArenaAttachTimeout) as err:  # the magic is written last
+            Arena.attach("s", directory=arena_dir, register_cuda="never", timeout_s=0.2)
+        assert "(the header is not written yet)" in str(err.value)
+    finally:
+        release.set()
+        creator.join(30)
+    with made[0] as a, Arena.attach("s", directory=arena_dir, register_cuda="never") as b:
+        assert a.ready_blocks == b.ready_blocks == 16
+
+
+def test_create_logs_what_it_made_and_its_populate_names_the_file(arena_dir, caplog):
+    with caplog.at_level(logging.DEBUG, logger=arena_mod.log.name), create(arena_dir) as a:
+        lines = [r.getMessage() for r in caplog.records]
+    assert lines[-1] == f"created arena {a.path}: 64 blocks of 4096 bytes, populate eager"
+    assert lines[0].startswith(f"arena {a.path}: pre-faulted 0.0 GiB in ")
+
+
+def test_a_create_whose_populate_fails_unmaps_and_removes_the_file(arena_dir, monkeypatch):
+    def fail(*args):
+        raise OSError(12, "pre-faulting: Cannot allocate memory")
+
+    monkeypatch.setattr(populate_mod, "prefault", fail)
+    with pytest.raises(ArenaError) as err:
+        create(arena_dir)
+    assert str(err.value) == (
+        "[Errno 12] pre-faulting: Cannot allocate memory; "
+        "is there enough free memory for the arena?"
+    )
+    assert [m for m in open_maps() if arena_dir in m] == [] and os.listdir(arena_dir) == []
+
+
+def open_maps():
+    with open("/proc/self/maps") as maps:
+        return maps.read().splitlines()
+
+
+def test_eager_registration_is_done_when_create_or_attach_returns(arena_dir, fake_cupy):
+    fake_cupy()
+    with create(arena_dir, num_blocks=16, register_cuda="auto") as a:
+        assert a.device is ALIAS and a.registered_fraction == 1.0
+        with Arena.attach("s", directory=arena_dir) as b:  # eager and auto by default
+            assert b.device is ALIAS and b.registered_fraction == 1.0
+        with Arena.attach("s", directory=arena_dir, register_cuda="never") as c:
+            assert not c.registered and c.device is None
