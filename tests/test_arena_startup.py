@@ -580,6 +580,7 @@ def hold_populate(monkeypatch):
         real(*args)
 
     monkeypatch.setattr(populate_mod, "prefault", held)
+    release.calls = calls  # the offsets asked for so far
     return release
 
 
@@ -699,6 +700,9 @@ def test_an_attacher_during_an_eager_populate_waits_for_the_header(arena_dir, mo
     creator = threading.Thread(target=lambda: made.append(create(arena_dir, num_blocks=16)))
     creator.start()
     try:
+        deadline = time.monotonic() + 30
+        while len(release.calls) < 2 and time.monotonic() < deadline:  # until populate is held
+            time.sleep(0.001)
         with pytest.raises(ArenaAttachTimeout) as err:  # the magic is written last
             Arena.attach("s", directory=arena_dir, register_cuda="never", timeout_s=0.2)
         assert "(the header is not written yet)" in str(err.value)
