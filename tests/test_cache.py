@@ -330,6 +330,31 @@ def test_a_persistent_shared_cache_restarts_warm_and_drops_corrupted_items(arena
     assert Arena.remove_shared("p", directory=arena_dir)
 
 
+def test_a_warm_start_says_what_verification_kept_and_dropped(arena_dir, caplog):
+    import logging
+    import os
+
+    kw = dict(arena_bytes=16 * B, block_bytes=B, directory=arena_dir, shared=True,
+              persistent=True, integrity=True, max_items=4)  # fmt: skip
+    with OffloadCache.create("p", **kw) as c:  # a catalog of 4 items, not 16
+        c.save(items(3))
+        c.flush()
+        (start, _), *_ = c.catalog.entry("img-1").extents
+        at, path = c.arena._data_offset + start * B + 3, c.arena.path
+    fd = os.open(path, os.O_RDWR)  # a stray write while nobody held the file
+    os.pwrite(fd, b"\xff\xfe", at)
+    os.close(fd)
+    with (
+        caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_cache"),
+        OffloadCache.create("p", **kw) as c,
+    ):
+        assert c.arena.warm_started and len(c.catalog) == 2
+    assert [r.getMessage() for r in caplog.records if r.name.endswith("shared_cache")] == [
+        f"ecoffload: warm start from {path}: 2 items kept, 1 dropped by verification"
+    ]
+    assert Arena.remove_shared("p", directory=arena_dir)
+
+
 def _slow_background_creator(arena_dir, created):
     import time
 
