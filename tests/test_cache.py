@@ -417,11 +417,18 @@ def test_shared_background_populate_hands_out_ready_blocks_only_and_survives_its
 
 
 def test_a_warm_start_before_any_catalog_was_opened_formats_it_with_its_own_size(arena_dir):
-    from ecoffload.engine.shared_cache import open_catalog, open_shared_arena
+    from ecoffload.engine.errors import ArenaError
+    from ecoffload.engine.shared_cache import meta_bytes, open_catalog, open_shared_arena
 
-    kw = dict(block_bytes=B, num_blocks=16, layout_key="", directory=arena_dir,
+    kw = dict(block_bytes=B, num_blocks=16, layout_key="m", directory=arena_dir,
               register_cuda="never", populate="eager", persistent=True, max_items=4)  # fmt: skip
-    open_shared_arena("p", **kw).close()  # its holder went before opening the catalog
+    with open_shared_arena("p", **kw) as arena:  # its holder goes before opening the catalog
+        assert arena.layout_key == "m"
+        assert arena.meta_bytes == meta_bytes(16, B, 4) < meta_bytes(16, B)  # 4 items' room
     with open_shared_arena("p", **kw) as arena, open_catalog(arena, max_items=4) as catalog:
         assert arena.warm_started and len(catalog) == 0  # verified: formatted for 4 items
     assert Arena.remove_shared("p", directory=arena_dir)
+    with pytest.raises(ArenaError) as err:  # this host has no CUDA
+        open_shared_arena("p", **{**kw, "register_cuda": "always"})
+    assert str(err.value) == "register_cuda='always' but CUDA is not available"
+    Arena.remove_shared("p", directory=arena_dir)
