@@ -35,6 +35,7 @@ import fcntl
 import logging
 import mmap
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -251,12 +252,14 @@ class Arena(SharedLifetime, RegisteredArena):
             raise
         if processes == 1:
             arena._unlink()
-        if lifetime and not lifetime & PERSISTENT:
-            start_janitor(path, os.fstat(fd).st_ino, HOLDERS_BYTE)
         try:
+            if lifetime and not lifetime & PERSISTENT:
+                arena._start_janitor()
             arena._register(register_cuda, populate)
         except BaseException:
-            del mm, populator  # close unmaps only a mapping nothing else references
+            # The error's traceback keeps this frame: were its locals still to reference
+            # the mapping, close could not unmap while anyone kept the error (a log record).
+            mm = populator = None
             arena.close()  # stops the populate threads and removes the file
             raise
         log.info(
@@ -373,6 +376,16 @@ class Arena(SharedLifetime, RegisteredArena):
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
         return True
+
+    def _start_janitor(self) -> None:
+        """Start the process that removes this shared arena's name after its last holder."""
+        try:
+            start_janitor(self.path, os.fstat(self._fd).st_ino, HOLDERS_BYTE)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ArenaError(
+                f"could not start the janitor that removes {self.path} once its last holder "
+                f"ends ({exc}): check that {sys.executable} can run a script with -I -S"
+            ) from exc
 
     def close(self) -> None:
         """Stop populate and registration, unregister, drop every view, unmap, and

@@ -206,10 +206,9 @@ class RegisteredArena:
         self._registration = None
         if mode == "always":
             raise ArenaError(f"CUDA host registration of {self.path} failed: {exc}") from exc
-        exc.with_traceback(None)  # logged (a handler may keep it): must not hold the mapping
         log.warning(
             "arena %s: CUDA host registration failed (%s); transfers fall back to "
             "unregistered copies. Install ecoffload[cuda12] or [cuda13] for CuPy.",
             self.path,
-            exc,
+            exc.with_traceback(None),  # kept by handlers: must not hold frames on the mapping
         )

@@ -130,6 +130,10 @@ class Server:
     def __init__(self, proc: subprocess.Popen, port: int, log_path: str) -> None:
         self.proc, self.port, self.log_path = proc, port, log_path
         self.base_url = f"http://127.0.0.1:{port}"
+        # vLLM's shared-memory segments (Python's SharedMemory names them psm_*), 160-240
+        # MiB each, as its processes held them once ready: vLLM unlinks them when it exits,
+        # a killed server cannot, so close() removes the ones nobody holds any more.
+        self.vllm_segments: set[str] = set()
 
     @classmethod
     def start(
@@ -179,6 +183,7 @@ class Server:
         except BaseException:
             server.close()
             raise
+        server.vllm_segments = {n for n in server.shm_held() if n.startswith("psm_")}
         return server
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -263,7 +268,8 @@ class Server:
         return True
 
     def close(self, grace_s: float = 5.0) -> None:
-        """Kill whatever is left of the process group (SIGTERM, then SIGKILL)."""
+        """Kill whatever is left of the process group (SIGTERM, then SIGKILL), then remove
+        the vLLM segments it held that a kill left behind (:func:`remove_unheld`)."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if not self.group_alive():
                 break
@@ -274,6 +280,8 @@ class Server:
                 time.sleep(0.1)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(grace_s)
+        if not self.group_alive():
+            remove_unheld(self.vllm_segments)
 
     def __enter__(self) -> Server:
         return self
@@ -468,6 +476,20 @@ def shm_inodes_in_use() -> set[int]:
                 if len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
                     used.add(int(fields[4]))
     return used
+
+
+def remove_unheld(names: set[str]) -> list[str]:
+    """Unlink the files of /dev/shm named in ``names`` that no live process has open or
+    mapped (a held one is still some process's); the names removed, sorted."""
+    used = shm_inodes_in_use()
+    removed = []
+    for name in sorted(names):
+        path = os.path.join("/dev/shm", name)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path, follow_symlinks=False).st_ino not in used:
+                os.unlink(path)
+                removed.append(name)
+    return removed
 
 
 def shm_leftovers(before: set[str], timeout_s: float = 5.0) -> list[str]:

@@ -107,12 +107,26 @@ def arena_tests(name: str, files: list[str] = ARENA_FILES) -> list[str]:
 # The janitor's program cannot run mutated: mutmut's copy imports mutmut, which
 # `python -I -S` cannot find, so every start_janitor fails there. Its list is its own
 # tests (the parts run in this process) and the arena's tests that start no janitor
-# (no shared-lifetime arena opened in the test process); start_janitor has no tests.
+# (no shared-lifetime arena opened in the test process); start_janitor has no tests
+# there and is measured by APPLIED below.
 JANITOR_TESTS = arena_tests(
     "janitor",
     ["tests/test_janitor.py",
      *(f for f in ARENA_FILES if not f.endswith(("arena_shared.py", "arena_lifetime.py")))],
 )  # fmt: skip
+
+# Functions whose tests need a program run with ``python -I -S`` from the module's own
+# file (mutmut leaves them with no tests: see above). After the mutmut run, each of their
+# mutants is written into the staging folder's plain copy of the module (``mutmut
+# apply``: the module as it would ship with that one change) and these tests run
+# against it, fastest first, stopping at the first failure; the copy is restored after.
+APPLIED: dict[str, tuple[tuple[str, ...], list[str]]] = {
+    "engine/janitor.py": (
+        ("start_janitor",),
+        ["tests/test_janitor.py", "tests/test_arena_lifetime.py", "tests/test_arena_shared.py"],
+    ),
+}
+APPLIED_TIMEOUT = 300  # seconds for one mutant's tests (a clean run takes ~30 s here)
 
 
 SHARED_CATALOG_MODULES = (
@@ -226,20 +240,34 @@ MODULES: dict[str, list[str]] = {
 # processes): each timeout is read before it is counted (TESTING.md).
 ARENA_TIMEOUT = "timeout_multiplier = 5.0\ntimeout_constant = 10.0\n"
 ARENA_FAMILY = {f"engine/{name}.py" for name in (*ARENA_MODULES, "shared_cache")}
+# The shared catalog's recovery too: nearly every listed test rebuilds a catalog (t ~ 12 s
+# with its two slow tests), so a mutant looping in _recover held 15 * (t + 1) ~ 195 s.
+SHORTER_TIMEOUT = ARENA_FAMILY | {"engine/shared_catalog_recovery.py"}
 KILLED = {1, 3}
 TIMEOUT = {-24, 24, 36, 152, 255, -9}  # the CPU-time limit (SIGXCPU, then SIGKILL): loops or stalls
 CRASHED = {-11}  # the test process segfaulted on the mutant (e.g. a kernel reading out of bounds)
 DETECTED = KILLED | TIMEOUT | CRASHED
 
 
-def stage(module: str) -> Path:
+def without_slow_tests(tests: list[str]) -> list[str]:
+    """``tests`` with every slow test (ARENA_SLOW, SHARED_CATALOG_SLOW, ARENA_FUZZ) left out:
+    ``--fast-only``. A mutant these kill, the whole list kills too, so the rate is a lower
+    bound of the module's, found in a fraction of the time (a survivor costs seconds, not the
+    minute of spawned processes); a survivor may still be killed by a slow test."""
+    slow = {*ARENA_SLOW, *SHARED_CATALOG_SLOW, ARENA_FUZZ}
+    kept = [t for t in tests if t != "--deselect" and t not in slow]
+    return kept + [arg for t in sorted(slow) for arg in ("--deselect", t)]
+
+
+def stage(module: str, fast_only: bool = False) -> Path:
     root = REPO / ".mutate" / module.replace("/", ".").removesuffix(".py")
     shutil.rmtree(root, ignore_errors=True)
     for package in PACKAGES:
         shutil.copytree(REPO / package, root / "src" / "ecoffload" / package,
                         ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     shutil.copytree(REPO / "tests", root / "tests", ignore=shutil.ignore_patterns("__pycache__"))
-    selection = ", ".join(json.dumps(t) for t in MODULES[module])
+    tests = without_slow_tests(MODULES[module]) if fast_only else MODULES[module]
+    selection = ", ".join(json.dumps(t) for t in tests)
     (root / "pyproject.toml").write_text(
         (REPO / "pyproject.toml").read_text()
         + "\n[tool.mutmut]\n"
@@ -247,13 +275,13 @@ def stage(module: str) -> Path:
         + 'also_copy = ["src"]\n'
         + f"pytest_add_cli_args_test_selection = [{selection}]\n"
         + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:warnings"]\n'
-        + (ARENA_TIMEOUT if module in ARENA_FAMILY else "")
+        + (ARENA_TIMEOUT if module in SHORTER_TIMEOUT else "")
     )
     return root
 
 
-def run(module: str, children: int) -> dict:
-    root = stage(module)
+def run(module: str, children: int, fast_only: bool = False) -> dict:
+    root = stage(module, fast_only)
     # One OpenMP thread: mutmut forks each mutant's test run from a process that has
     # already run torch ops, and libgomp's thread pool does not survive a fork (the
     # child's first parallel reduction waits forever in gomp_team_end: a "timeout").
@@ -270,35 +298,75 @@ def run(module: str, children: int) -> dict:
     if not meta.exists():
         sys.exit(f"{module}: mutmut produced no results; see {root / 'mutmut-run.log'}")
     codes = json.loads(meta.read_text())["exit_code_by_key"]
+    applied = run_applied(root, module, codes, env) if module in APPLIED else []
+    seconds = time.monotonic() - start  # with APPLIED's runs
     status = Counter(
         "killed" if c in KILLED else "timeout" if c in TIMEOUT else "crashed" if c in CRASHED
         else "survived" if c == 0 else f"other {c}" for c in codes.values()
     )  # fmt: skip
     survivors = sorted(k for k, c in codes.items() if c not in DETECTED)
+    # each survivor's test time: one far above its peers' waited on something (a survivor
+    # costs every test that calls the function; a hang ends as a timeout, at the limit)
+    took = json.loads(meta.read_text()).get("durations_by_key", {})
     return {
-        "module": module,
+        "module": module + (" (fast only)" if fast_only else ""),
         "mutants": len(codes),
         "killed": status["killed"] + status["timeout"] + status["crashed"],  # detected
         "rate": (status["killed"] + status["timeout"] + status["crashed"]) / max(1, len(codes)),
         "seconds": round(seconds),
         "status": dict(status),
         "survivors": survivors,
+        "seconds_by_survivor": {k: round(took.get(k, 0.0), 1) for k in survivors},
+        "applied": applied,  # the mutants run through APPLIED (their codes are in the counts)
     }
+
+
+def run_applied(root: Path, module: str, codes: dict[str, int], env: dict[str, str]) -> list[str]:
+    """Run APPLIED's functions' mutants (no tests in mutmut's run) against the plain copy
+    with each one written in; their exit codes replace mutmut's "no tests" (33) in ``codes``."""
+    functions, tests = APPLIED[module]
+    names = sorted(
+        k for k, c in codes.items()
+        if c == 33 and any(f".x_{f}__mutmut_" in k for f in functions)
+    )  # fmt: skip
+    source = root / "src" / "ecoffload" / module
+    plain = source.read_text()
+    env = {**env, "PYTHONPATH": "src"}  # the staging copy, not the installed package
+    for name in names:
+        try:
+            subprocess.run([sys.executable, "-m", "mutmut", "apply", name], cwd=root, env=env,
+                           check=True, capture_output=True)  # fmt: skip
+            assert source.read_text() != plain, f"mutmut apply {name} changed nothing"
+            test = subprocess.run(
+                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                 f"--basetemp={root / 'applied-tmp'}", *tests],
+                cwd=root, env=env, capture_output=True, timeout=APPLIED_TIMEOUT,
+            )  # fmt: skip
+            codes[name] = test.returncode
+        except subprocess.TimeoutExpired:
+            codes[name] = 24  # counted as a timeout, as mutmut's CPU-time limit would be
+        finally:
+            source.write_text(plain)
+    return names
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", default=list(MODULES), choices=[*MODULES, []])
     parser.add_argument("--children", type=int, default=2, help="mutants tested at once")
+    parser.add_argument(
+        "--fast-only", action="store_true", help="no slow tests: a lower bound of the kill rate"
+    )
     args = parser.parse_args()
-    results = [run(module, args.children) for module in args.modules]
+    results = [run(module, args.children, args.fast_only) for module in args.modules]
     print(f"{'module':30} {'mutants':>7} {'killed':>7} {'rate':>6} {'time':>7}  status")
     for r in results:
         print(f"{r['module']:30} {r['mutants']:7} {r['killed']:7} {r['rate']:6.1%} "
               f"{r['seconds']:6}s  {r['status']}")  # fmt: skip
     for r in results:
         for name in r["survivors"]:
-            print(f"survived: {name}  ({r['module']}, {r['status']})")
+            print(f"survived: {name}  ({r['module']}, its tests "
+                  f"{r['seconds_by_survivor'][name]} s)")  # fmt: skip
     out = REPO / ".mutate" / f"results-{int(time.time())}.json"
     out.write_text(json.dumps(results, indent=1))
 

@@ -11,6 +11,8 @@ import logging
 import os
 import signal
 import struct
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -223,9 +225,14 @@ def test_only_a_shared_arena_whose_populator_is_gone_is_taken_over(arena_dir, he
     try:
         populator = a._populator
         assert populator is not None and a.ready_blocks == 1
+        assert a._populator_alive()  # its own populate runs
         assert not a.resume_populate() and a._populator is populator  # not again
         with open_shared(arena_dir, populate="background") as j:  # its populator lives
             assert j._populator is None and not j.resume_populate() and j._populator is None
+            assert j._populator_alive()  # a holds the populator's lock...
+            held_populate.set()
+            a.close()
+            assert not j._populator_alive()  # ...until it closes: nobody populates now
     finally:
         held_populate.set()
         a.close()
@@ -238,6 +245,105 @@ def test_only_a_shared_arena_whose_populator_is_gone_is_taken_over(arena_dir, he
                           populate="background") as b:  # fmt: skip
             assert b.ready_blocks < 8
             assert not b.resume_populate() and b._populator is None  # its creator does it
+            assert b._populator_alive()  # the creator (this process) lives
     finally:
         held_populate.set()
         plain.close()
+
+
+def test_a_shared_arena_whose_janitor_cannot_start_is_closed_and_refused(
+    arena_dir, monkeypatch, caplog
+):
+    path = os.path.join(arena_dir, "s")
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the janitor's Python: exits 1
+    with pytest.raises(ArenaError) as err:
+        open_shared(arena_dir)
+    assert str(err.value) == (
+        f"could not start the janitor that removes {path} once its last holder ends "
+        f"({err.value.__cause__}): check that /bin/false can run a script with -I -S"
+    )
+    assert isinstance(err.value.__cause__, subprocess.CalledProcessError)
+    # closed by its only holder, so removed, though the error (and its traceback) is
+    # kept here: no descriptor, no mapping, no name left
+    assert not os.path.exists(path)
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{fd}")]  # fmt: skip
+    assert not [fd for fd in fds if fd.startswith(path)]
+    with open("/proc/self/maps") as maps:
+        assert path not in maps.read()
+    assert "still alive" not in caplog.text
+
+
+def leftover(arena_dir, content: bytes, mode: int = 0o600) -> str:
+    """A file under the arena's name as another program (or a creator cut short) left it."""
+    path = os.path.join(arena_dir, "s")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
+    os.write(fd, content)
+    os.fchmod(fd, mode)
+    os.close(fd)
+    return path
+
+
+def test_a_file_that_is_no_arena_or_not_ours_alone_is_refused_by_a_joiner(arena_dir):
+    found = b"NOTOURS!"
+    # a whole header's worth (exactly: read, not taken for a short file) or more
+    for size in (arena_format.HEADER_BYTES, 2 * arena_format.HEADER_BYTES):
+        path = leftover(arena_dir, found + bytes(size - 8))
+        for num_blocks in (8, None):  # a creator finds it there, or a joiner
+            with pytest.raises(ArenaError) as err:
+                open_shared(arena_dir, num_blocks=num_blocks, timeout_s=0)
+            assert str(err.value) == (
+                f"arena {path}: header field 'magic' is {found!r}, expected "
+                f"{arena_format.MAGIC!r}. Another model, dtype, block size or ecoffload version "
+                "created it: use another arena name, or stop the processes using it and remove "
+                "the file."
+            )
+        os.unlink(path)
+    path = leftover(arena_dir, arena_format.MAGIC, mode=0o644)
+    with pytest.raises(ArenaError) as err:
+        open_shared(arena_dir, timeout_s=0)
+    assert str(err.value) == (
+        f"{path} has mode 644, expected 600: other users could read or change cached data; "
+        "remove the file and let ecoffload create it"
+    )
+    os.unlink(path)
+    # shorter than a header, all zeros: a creator that has not written it yet (or died
+    # before its pid): waited for, never reclaimed without a dead creator to name
+    for size in (0, 100):
+        path = leftover(arena_dir, bytes(size))
+        with pytest.raises(ArenaAttachTimeout) as err:
+            open_shared(arena_dir, num_blocks=None, timeout_s=0)
+        assert str(err.value).startswith(
+            f"no valid shared arena at {path} after 0.0 s (the header is not written yet)"
+        )
+        assert os.path.getsize(path) == size
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("mode", ["eager", "background"])
+def test_a_joiner_resumes_what_the_populating_process_left_from_its_prefix(
+    arena_dir, held_populate, monkeypatch, mode
+):
+    published = []
+    real = populate.write_ready
+
+    def record(mm, ready):
+        published.append(ready)
+        real(mm, ready)
+
+    monkeypatch.setattr(populate, "write_ready", record)
+    a = open_shared(arena_dir, populate="background")  # this process populates it...
+    with open_shared(arena_dir, populate="background") as j:
+        assert j._populator is None and not j.resume_populate(mode)  # ...and lives
+        held_populate.set()  # (close waits for the chunk in progress)
+        a.close()
+        done = j.ready_bytes
+        assert 0 < done < j.nbytes  # stopped half-way: the populator's lock is free
+        del published[:]
+        assert j.resume_populate(mode)
+        if mode == "eager":  # finished before returning, nothing left running
+            assert j.ready_bytes == j.nbytes and j._populator is None
+        else:  # threads of this process go on, and the arena stops them when closed
+            assert j._populator is not None and j.wait_ready(10)
+        assert published and min(published) > done  # from its prefix on: never backwards
+        assert not j.resume_populate(mode)  # nothing left to resume

@@ -1,7 +1,8 @@
 """The janitor's parts (engine/janitor.py), one by one in this process: OFD locks on
 single header bytes, "does this name still name that file", removing a name only
 if it does, and the janitor's wait-then-remove (in a thread here: the arena's
-tests run it as the process of its own it is in service).
+tests run it as the process of its own it is in service); and the process
+``start_janitor`` leaves running: how it was started, and a start that fails.
 
 OFD locks belong to an open file description, so two ``os.open`` of one file in
 one process conflict like two processes would: no child process is needed.
@@ -10,7 +11,10 @@ one process conflict like two processes would: no child process is needed.
 import errno
 import fcntl
 import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -146,3 +150,59 @@ def test_the_janitor_leaves_a_replacement_a_link_and_a_missing_name_at_once(path
     finally:
         os.close(holder)
     assert os.path.exists(path + ".old")
+
+
+def watching(path):
+    """Pids of the processes whose command line names ``path`` (its janitor)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if os.fsencode(path) in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_start_janitor_leaves_an_isolated_silent_process_in_a_session_of_its_own(path):
+    inode = os.stat(path).st_ino
+    holder = os.open(path, os.O_RDWR)
+    ofd_lock(holder, fcntl.F_RDLCK, BYTE, wait=False)  # the janitor waits for it
+    terminal, ours = os.pipe(), os.dup(0)  # our standard input: say, a terminal's
+    os.dup2(terminal[0], 0)
+    try:
+        janitor.start_janitor(path, inode, BYTE)
+        os.dup2(ours, 0)
+        (pid,) = watching(path)  # started and returned: it runs on alone
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")[:-1]
+        # this very file, isolated and without site (no PYTHON* variables, no
+        # site-packages, no ecoffload or torch: it imports the standard library only)
+        expected = [sys.executable, "-I", "-S", os.path.abspath(janitor.__file__), path,
+                    str(inode), str(BYTE)]  # fmt: skip
+        assert args == [os.fsencode(a) for a in expected]
+        with open(f"/proc/{pid}/stat") as f:
+            ppid, pgrp, session = map(int, f.read().rsplit(")", 1)[1].split()[1:4])
+        assert ppid != os.getpid()  # no child of ours (vLLM's shutdown kills those)...
+        assert pgrp != os.getpgrp() and session != os.getsid(0)  # ...nor reached by our signals
+        for fd in (0, 1, 2):  # it holds no terminal and no pipe of whoever started it
+            assert os.readlink(f"/proc/{pid}/fd/{fd}") == "/dev/null"
+        assert os.path.exists(path)
+    finally:
+        os.dup2(ours, 0)
+        for fd in (*terminal, ours):
+            os.close(fd)
+        os.close(holder)  # the last holder goes: the janitor removes the name and ends
+    deadline = time.monotonic() + 10
+    while (os.path.exists(path) or watching(path)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(path) and not watching(path)
+
+
+def test_a_janitor_that_cannot_start_raises(path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # exits 1 at once
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        janitor.start_janitor(path, os.stat(path).st_ino, BYTE)
+    assert err.value.returncode == 1 and err.value.cmd[:3] == ["/bin/false", "-I", "-S"]
+    assert os.path.exists(path)

@@ -14,6 +14,8 @@ in the arena directory or /dev/shm. ``make serve-check`` repeats the SIGINT
 part five times.
 """
 
+import contextlib
+import mmap
 import os
 import uuid
 
@@ -34,6 +36,7 @@ from ecoffload.profiling.vllm_serve import (
     interrupt_under_load,
     launcher_path,
     parse_metrics,
+    remove_unheld,
     shm_entries,
     shm_leftovers,
 )
@@ -170,6 +173,30 @@ def test_sigint_under_load_answers_every_request_and_leaves_nothing(served, imag
     # Nor anything the server's processes held (other programs on the host may
     # come and go in /dev/shm meanwhile: only the server's own entries count).
     assert [n for n in shm_leftovers(shm_before) if n in held] == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_remove_unheld_removes_what_nobody_holds_and_nothing_else():
+    """What Server.close does with the vLLM segments of a killed server."""
+    left, held, mapped, gone = (f"psm_ecoffload-test-{uuid.uuid4().hex[:8]}" for _ in range(4))
+    paths = [os.path.join("/dev/shm", n) for n in (left, held, mapped)]
+    for path in paths:
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    try:
+        with open(paths[2], "r+b") as f:
+            m = mmap.mmap(f.fileno(), 4096)  # held: mapped only, its descriptor closed...
+        with open(paths[1], "rb"):  # ...or open
+            assert remove_unheld({left, held, mapped, gone}) == [left]  # gone: never there
+            assert not os.path.exists(paths[0])
+            assert os.path.exists(paths[1]) and os.path.exists(paths[2])
+        m.close()
+        assert remove_unheld({held, mapped}) == sorted([held, mapped])
+        assert not any(os.path.exists(p) for p in paths)
+    finally:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")

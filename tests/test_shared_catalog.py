@@ -17,14 +17,21 @@ import zlib
 import pytest
 from test_catalog import B, open_shared
 
-from ecoffload.engine import fault_points, shared_catalog, shared_catalog_format
+from ecoffload.engine import (
+    fault_points,
+    shared_catalog,
+    shared_catalog_format,
+    shared_catalog_native,
+)
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import (
     ArenaLayoutMismatch,
     CatalogCapacityError,
+    DuplicateItemError,
     InvalidSizeError,
     ItemStateError,
+    UnknownItemError,
 )
 from ecoffload.engine.liveness import process_start_time
 from ecoffload.engine.shared_catalog import SharedCatalog
@@ -532,6 +539,7 @@ def test_lookup_can_pin_a_hit_under_the_same_lock(tmp_path):
 
 def test_abort_names_its_reservation_like_commit(tmp_path):
     a = open_shared(tmp_path / "c", 8)
+    a.reserve("pad", B)  # x in slot 1: its own generation word is read, not slot 0's
     old = a.reserve("x", B).generation
     a.abort("x", generation=old)
     new = a.reserve("x", B).generation
@@ -572,3 +580,213 @@ def test_entries_kept_by_an_object_equal_the_ones_another_decodes(tmp_path, comm
     a.check()
     a.close()
     b.close()
+
+
+# refusal -> (the call, the error, its message whole): each before anything is written
+REFUSALS = {
+    "reserve-a-key-in-the-catalog": (
+        lambda c: c.reserve("r", B), DuplicateItemError,
+        "key 'r' is already in the catalog (ready); look it up instead of saving it again, or "
+        "evict it first"),
+    "reserve-a-key-too-long": (  # named by its first 40 characters, refused before the lock
+        lambda c: c.reserve("0123456789" * 26, B), CatalogCapacityError,
+        f"key {'0123456789' * 4!r}... is 260 bytes, this catalog holds keys of at most 256: "
+        "create the arena with a larger max_key_bytes"),
+    "commit-a-ready-item": (
+        lambda c: c.commit("r"), ItemStateError,
+        "commit('r') needs an item in state 'writing', found 'ready'"),
+    "commit-a-stale-reservation": (
+        lambda c: c.commit("w", generation=1), ItemStateError,
+        "commit('w'): reservation 1 is gone (the key was reserved again as 3); the bytes "
+        "written may be stale"),
+    "abort-a-ready-item": (
+        lambda c: c.abort("r"), ItemStateError,
+        "abort('r') needs an item in state 'writing', found 'ready'"),
+    "abort-a-stale-reservation": (
+        lambda c: c.abort("w", generation=1), ItemStateError,
+        "abort('w'): reservation 1 is gone (the key was reserved again as 3); leaving the "
+        "newer one alone"),
+    "abort-an-unknown-key": (
+        lambda c: c.abort("nope"), UnknownItemError,
+        "key 'nope' is not in the catalog (never reserved, aborted or evicted)"),
+    "evict-a-pinned-item": (
+        lambda c: c.evict("p"), ItemStateError,
+        "evict('p'): the item is pinned 1 time(s); unpin it first"),
+    "evict-a-reservation": (
+        lambda c: c.evict("w"), ItemStateError,
+        "evict('w') needs an item in state 'ready', found 'writing'"),
+    "lookup-pin-without-a-free-record": (
+        lambda c: c.lookup("r", pin=True), CatalogCapacityError,
+        "pin('r'): all 1 pin records are in use; create the catalog with a larger max_pins"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("refusal", REFUSALS)
+def test_a_refused_call_leaves_the_catalog_clean(tmp_path, monkeypatch, refusal):
+    """A CatalogError is raised before anything is written: the dirty mark is cleared, so
+    the next locker does not rebuild (a rebuild of a large catalog stalls every process)."""
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "0")  # the Python way of each call
+    call, error, message = REFUSALS[refusal]
+    c = open_shared(tmp_path / "c", 8, max_pins=1)
+    for key in ("r", "p", "w"):  # slots 0, 1, 2; p pinned, with the one pin record
+        c.reserve(key, B)
+    c.commit("r")
+    c.commit("p")
+    c.pin("p")
+    recoveries = c.recoveries
+    with pytest.raises(error) as err:
+        call(c)
+    assert err.value.args == (message,)  # generation 3: w, the third reservation
+    assert c._w[shared_catalog_format.H_DIRTY] == 0
+    other = reopen(tmp_path / "c")  # the next locker, another object
+    assert [other.state(k) for k in ("r", "p", "w")] == [ItemState.READY, ItemState.READY,
+                                                         ItemState.WRITING]  # fmt: skip
+    assert other.recoveries == recoveries
+    c.check()
+    c.close()
+    other.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_an_object_counts_its_own_hits_and_misses_whichever_path_serves_them(
+    tmp_path, monkeypatch, native
+):
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1" if native else "0")
+    c = open_shared(tmp_path / "c", 8)
+    if native:
+        assert c._fast is not None, "the C fast paths are not built"
+    c.reserve("a", B)
+    c.commit("a")
+    for _ in range(2):
+        assert c.lookup("a").key == "a"
+        assert c.lookup("x") is None
+    assert (c.local.hits, c.local.misses) == (2, 2)
+    if native:
+        assert c._fast.hits == 2  # the C path served both hits
+    other = reopen(tmp_path / "c")
+    assert other.lookup("a") is not None and other.lookup("y") is None
+    assert (other.local.hits, other.local.misses) == (1, 1)
+    assert (c.local.hits, c.local.misses) == (2, 2)
+    assert (c.stats().hits, c.stats().misses) == (3, 3)  # the host-wide counters: both
+    c.close()
+    other.close()
+
+
+def test_a_hit_on_an_item_seen_ready_asks_no_table(tmp_path, monkeypatch):
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "0")  # the Python way's own shortcut
+    c = open_shared(tmp_path / "c", 8)
+    for key in "ab":  # slots 0 and 1
+        c.reserve(key, B)
+        c.commit(key)
+    other = reopen(tmp_path / "c")
+    finds = []
+    inner = other._find
+    monkeypatch.setattr(other, "_find", lambda kb, h: finds.append(kb) or inner(kb, h))
+    for _ in range(3):
+        assert [other.lookup(k).key for k in "ba"] == ["b", "a"]
+    assert finds == [b"b", b"a"]  # each once, the first time
+    c.evict("b")
+    assert other.lookup("b") is None  # its slot freed: the table asked again
+    assert finds == [b"b", b"a", b"b"]
+    assert other.stats().hits == 6
+    other.check()
+    other.close()
+    c.close()
+
+
+def test_a_lookup_marks_the_catalog_dirty_only_to_relink_or_pin(tmp_path, monkeypatch):
+    """A hit marks the catalog dirty only from where it changes a structure: a lookup
+    killed before that leaves nothing for the next locker to rebuild."""
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "0")
+    c = open_shared(tmp_path / "c", 8)
+    for key in "ab":
+        c.reserve(key, B)
+        c.commit(key)
+    other = reopen(tmp_path / "c")
+    marks = []
+
+    def watch(name):
+        inner = getattr(other, name)
+
+        def watched(*args, **kwargs):
+            marks.append((name, other._w[shared_catalog_format.H_DIRTY]))  # inside the call
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(other, name, watched)
+
+    for name in ("_slot_of", "_snapshot", "_pin_slot"):
+        watch(name)
+    assert other.lookup("nope") is None
+    assert other.lookup("b").key == "b"  # the LRU's tail already: nothing relinked
+    assert other.lookup("b", pin=True).pins == 1
+    names = ["_slot_of", "_slot_of", "_snapshot", "_snapshot", "_pin_slot"]  # the table found b
+    assert marks == [*((name, 0) for name in names[:-1]), ("_pin_slot", os.getpid())]
+    assert other._w[shared_catalog_format.H_DIRTY] == 0
+    other.check()
+    other.close()
+    c.close()
+
+
+def test_add_ready_of_a_watermark_already_reached_takes_no_lock(tmp_path, monkeypatch):
+    c = open_ready(tmp_path / "c", 8, 4)
+    got = []
+
+    def hook(name):
+        if name == "reserve:allocated":  # this thread holds the catalog's lock here
+            got.append((c.add_ready(4), c.add_ready(3)))
+
+    monkeypatch.setattr(fault_points, "hook", hook)
+    assert c.reserve("a", B) is not None
+    monkeypatch.setattr(fault_points, "hook", None)
+    assert got == [(0, 0)]  # answered from the word alone: no lock, so no EDEADLK
+    c.check()
+    c.close()
+
+
+def test_add_ready_never_lowers_a_watermark_another_process_raised_meanwhile(tmp_path, monkeypatch):
+    c = open_ready(tmp_path / "c", 16, 4)
+    other = reopen(tmp_path / "c")
+    enter = c._enter
+
+    def raced(*args, **kwargs):  # another process raises it to 8 while this one waits
+        monkeypatch.setattr(c, "_enter", enter)
+        other.add_ready(8)
+        return enter(*args, **kwargs)
+
+    monkeypatch.setattr(c, "_enter", raced)
+    assert c.add_ready(6) == 0  # 6 > 4 when asked, below 8 once locked: nothing to add
+    assert (c.allocator.ready_blocks, c.stats().free_blocks) == (8, 8)
+    c.check()
+    c.close()
+    other.close()
+
+
+def test_reserve_and_commit_write_the_dtype_and_shape_they_are_given_whole(tmp_path):
+    a = open_shared(tmp_path / "c", 8)
+    made = a.reserve("x", B, "float8_e5m2fnuz", (1, 2, 3, 4, 5, 6, 7, 8))  # 15 bytes: two words
+    b = reopen(tmp_path / "c")  # the writer: another object
+    seen = b.entry("x")  # decoded from the slot, not the reserving object's entry
+    assert (seen.dtype, seen.shape) == ("float8_e5m2fnuz", (1, 2, 3, 4, 5, 6, 7, 8))
+    dims = (2, 3, 4, 5, 6, 7, 8, 9)  # every dimension word
+    got = b.commit("x", generation=made.generation, dtype="float8_e4m3fnuz", shape=dims)
+    assert (got.dtype, got.shape) == ("float8_e4m3fnuz", dims)  # 15 bytes: two words
+    fresh = reopen(tmp_path / "c")
+    for reader in (a, fresh):  # one that saw the reservation, one that did not
+        seen = reader.lookup("x")
+        assert (seen.dtype, seen.shape, seen.nbytes) == ("float8_e4m3fnuz", dims, B)
+    a.check()
+    for c in (a, b, fresh):
+        c.close()
+
+
+def test_reservations_stop_asking_the_arena_once_every_block_is_ready(tmp_path):
+    c = open_ready(tmp_path / "c", 4, 1)
+    asked = []
+    c.follow_ready(lambda: asked.append(1) or 2 * len(asked))  # populate: 2, then 4 blocks
+    assert c.reserve("a", 2 * B).extents == [(0, 2)] and len(asked) == 1
+    assert c.reserve("b", 2 * B).extents == [(2, 2)] and len(asked) == 2
+    for key in "cd":  # all 4 ready: the arena's progress is not read again
+        assert c.reserve(key, B) is None
+    assert len(asked) == 2
+    c.check()
+    c.close()

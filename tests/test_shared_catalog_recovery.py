@@ -27,6 +27,7 @@ import pytest
 from test_catalog import B, open_shared
 from test_shared_catalog_check import pin, slot  # word indexes of a slot and a pin record
 
+from ecoffload.engine import fault_points
 from ecoffload.engine import shared_catalog_format as f
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import InvalidSizeError
@@ -227,9 +228,11 @@ def test_reap_releases_what_dead_processes_hold_and_counts_it(tmp_path):
     for key in ("w", "w2"):  # reservations of a process that is gone (its start time)
         c._w[slot(c, c.entry(key).slot) + f.S_START] += 1
     c._w[pin(c, 0) + f.P_START] += 1  # so is the process that pinned b
+    c.pin("z")  # and z's, in slot order after w: every release counts, pins and reservations
+    c._w[pin(c, c._w[slot(c, 3) + f.S_PIN_HEAD]) + f.P_START] += 1
     c.reserve("mine", B)  # a live reservation stays
     recoveries = c.recoveries
-    assert c.reap() == 3
+    assert c.reap() == 4
     assert {e.key: (e.state, e.pins) for e in c.entries()} == without(
         "w", b=(READY, 0), mine=(WRITING, 0)
     )
@@ -255,7 +258,8 @@ def test_verify_drops_each_damaged_item_past_the_ones_it_keeps(tmp_path, caplog)
     c = open_shared(tmp_path / "c", 32, max_items=32)
     data = bytearray(32 * B)
     c.reserve("writing", B)  # slot 0: not READY, skipped
-    put(c, data, "no-crc", 1, None)  # slot 1: cannot be checked
+    put(c, data, "no-crc", 1, None)  # slots 1 and 2: cannot be checked, counted
+    put(c, data, "no-crc-2", 1, None)
     pinned = [f"pinned{n}" for n in range(9)]
     for key in pinned:  # 9 pinned items whose bytes fail: kept, 8 named
         put(c, data, key, 1, 1)
@@ -266,7 +270,7 @@ def test_verify_drops_each_damaged_item_past_the_ones_it_keeps(tmp_path, caplog)
     recoveries, evictions = c.recoveries, c.stats().evictions
     with caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_catalog"):
         assert c.verify(memoryview(data)) == 2
-    assert {e.key for e in c.entries()} == {"writing", "no-crc", "good", *pinned}
+    assert {e.key for e in c.entries()} == {"writing", "no-crc", "no-crc-2", "good", *pinned}
     assert c.entry("good").extents == good.extents
     assert (c.recoveries, c.stats().evictions) == (
         recoveries + 1,
@@ -284,7 +288,7 @@ def test_verify_drops_each_damaged_item_past_the_ones_it_keeps(tmp_path, caplog)
     level, msg, args = records[3]
     assert (level, msg, args[0], args[2:]) == (
         "INFO", "catalog %s verified in %.3f s: %d item(s) checked, %d dropped, %d without a CRC",
-        path, (12, 2, 1))  # fmt: skip
+        path, (12, 2, 2))  # fmt: skip
     assert 0 <= args[1] < 60
     c.check()
     c.close()
@@ -316,5 +320,87 @@ def test_the_rebuild_keeps_the_watermark_within_the_blocks(tmp_path, recorded, k
     c._w[f.H_READY_BLOCKS] = recorded
     c.recover()
     assert (c.allocator.ready_blocks, c.stats().free_blocks) == (kept, kept)
+    c.check()
+    c.close()
+
+
+def test_an_error_inside_reap_leaves_the_rebuild_to_the_next_locker(tmp_path, monkeypatch):
+    c = healthy(tmp_path / "c")
+    c._w[slot(c, 2) + f.S_START] += 1  # w's process is gone: the reap drops it
+    recoveries = c.recoveries
+
+    def hook(name):
+        if name == "drop:unpublished":  # w's slot freed, its hash chain and blocks not yet
+            raise RuntimeError(name)
+
+    monkeypatch.setattr(fault_points, "hook", hook)
+    with pytest.raises(RuntimeError, match="drop:unpublished"):
+        c.reap()
+    monkeypatch.setattr(fault_points, "hook", None)
+    assert c._w[f.H_DIRTY] == os.getpid()  # left dirty: the reap stopped half-way
+    assert {e.key: (e.state, e.pins) for e in c.entries()} == without("w")  # a read rebuilds
+    assert (c.recoveries, c._w[f.H_DIRTY]) == (recoveries + 1, 0)
+    c.check()
+    c.close()
+
+
+def test_a_reap_after_a_rebuild_leaves_a_freed_pinned_slot_s_old_pin_list_alone(tmp_path):
+    c = healthy(tmp_path / "c")
+    b = slot(c, 1)
+    c._w[b + f.S_HASH] ^= 1  # b, pinned, no longer parses: the rebuild frees its slot
+    c.recover()  # its pin count and list head stay in the free slot; its records are freed
+    assert (c._w[b + f.S_PINS], c._w[b + f.S_PIN_HEAD]) == (1, 0)
+    assert c.reap() == 0  # nothing dead: the free slot's words are not a pin list
+    assert {e.key: (e.state, e.pins) for e in c.entries()} == without("b")
+    c.check()
+    assert [c.pin(key).pins for key in ("abcd", "z")] == [1, 1]
+    assert c.lookup("abcd", pin=True).pins == 2
+    c.check()
+    c.close()
+
+
+def test_a_chain_that_cycles_through_block_0_is_freed_whatever_its_sizes_say(tmp_path):
+    """abcd's extent (0, 2) made to lead back to itself, its blocks and bytes words set to
+    what the bounded walk adds up (17 laps of 2 blocks): the walk stops on block 0, still
+    in the chain, and the slot is freed."""
+    c = healthy(tmp_path / "c")
+    b = slot(c, 0)
+    c._i[c._en + 0] = 0
+    c._w[b + f.S_BLOCKS], c._w[b + f.S_NBYTES] = 34, 34 * B
+    c.recover()
+    assert c._w[b + f.S_STATE] == f.FREE  # read before anything walks the chain
+    assert {e.key: (e.state, e.pins) for e in c.entries()} == without("abcd")
+    c.check()
+    c.close()
+
+
+def test_a_pin_record_naming_the_slot_past_the_table_is_freed(tmp_path):
+    """The word after the slot table is the first key's first bytes: a key of one byte 2
+    makes it read READY, as a slot's state word would."""
+    c = open_shared(tmp_path / "c", 4, max_key_bytes=8, max_items=4, max_pins=2)
+    for key in ("\x02", "x"):
+        c.reserve(key, B)
+        c.commit(key)
+    assert c._w[slot(c, 4) + f.S_STATE] == f.READY
+    p = pin(c, 1)  # a free record made a live pin of slot 4, one past the last slot
+    c._w[p + f.P_SLOT], c._w[p + f.P_PID] = 4, os.getpid()
+    c._w[p + f.P_START], c._w[p + f.P_COUNT] = process_start_time(os.getpid()), 1
+    c.recover()
+    assert [c.pin(key).pins for key in ("\x02", "x")] == [1, 1]  # both records free again
+    c.check()
+    c.close()
+
+
+def test_the_rebuild_clears_a_stale_free_size_left_on_an_owned_block(tmp_path):
+    """z's block 6 carries the free size of an extent that started there before (a torn
+    update's leftover): once rebuilt, freeing w's block 5 beside it merges nothing of z."""
+    c = healthy(tmp_path / "c")
+    c._i[c._fs + 6] = 1
+    c.recover()
+    c.abort("w")
+    assert c.stats().free_blocks == 10 and c.stats().largest_free_extent == 9
+    c.check()  # block 6 is z's alone
+    assert c.reserve("ten", 10 * B).extents == [(5, 1), (7, 9)]  # z's block not among them
+    assert c.state("z") is READY
     c.check()
     c.close()
