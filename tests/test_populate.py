@@ -39,7 +39,9 @@ def mapping(tmp_path, monkeypatch):
     os.close(fd)
 
 
-def test_threads_default_to_one_below_the_parallel_size_and_never_exceed_the_chunks(mapping):
+def test_threads_default_to_one_below_the_parallel_size_and_never_exceed_the_chunks(
+    mapping, monkeypatch
+):
     _, mm, path = mapping
     assert Populator(mm, 0, PARALLEL_POPULATE_BYTES - 1, None, path).threads == 1
     many = Populator(mm, 0, PARALLEL_POPULATE_BYTES, None, path)
@@ -49,6 +51,18 @@ def test_threads_default_to_one_below_the_parallel_size_and_never_exceed_the_chu
     two = Populator(mm, 0, populate.POPULATE_CHUNK + 1, 5, path)  # 2 chunks: 2 threads
     assert two.threads == 2 and two._chunks[1] == (populate.POPULATE_CHUNK, 1)
     assert Populator(mm, 0, P, 0, path).threads == 1
+    # the size decides, wherever the area starts: just below it at 1 MiB is still one
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert Populator(mm, 1 << 20, (1 << 20) + PARALLEL_POPULATE_BYTES - 1, None, path).threads == 1
+
+
+@pytest.mark.parametrize("cpus,threads", [(16, 8), (None, 1)], ids=["many-cpus", "unknown"])
+def test_a_large_populate_takes_at_most_8_threads_and_1_when_the_cpus_are_unknown(
+    mapping, monkeypatch, cpus, threads
+):
+    _, mm, path = mapping
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    assert Populator(mm, 0, PARALLEL_POPULATE_BYTES, None, path).threads == threads
 
 
 def test_a_resumed_populate_starts_at_its_prefix_and_publishes_from_there(mapping, monkeypatch):
