@@ -747,3 +747,35 @@ def test_eager_registration_is_done_when_create_or_attach_returns(arena_dir, fak
             assert b.device is ALIAS and b.registered_fraction == 1.0
         with Arena.attach("s", directory=arena_dir, register_cuda="never") as c:
             assert not c.registered and c.device is None
+
+
+def test_always_registers_before_create_returns_even_with_a_background_populate(
+    arena_dir, fake_cupy
+):
+    fake_cupy(fail_offsets={0})
+    with pytest.raises(ArenaError) as err:  # synchronous: the failure is create's
+        create(arena_dir, num_blocks=16, populate="background", register_cuda="always")
+    assert "cudaErrorHostMemoryAlreadyRegistered (simulated)" in str(err.value)
+    assert os.listdir(arena_dir) == []
+
+
+def test_the_registrar_thread_aliases_the_device_current_where_the_arena_was_opened(
+    arena_dir, fake_cupy, monkeypatch
+):
+    from ecoffload.engine import cuda_host
+
+    fake_cupy()
+    main = threading.main_thread()  # CUDA's current device is per thread: 0 in a new one
+    monkeypatch.setattr(
+        torch.cuda, "current_device", lambda: 3 if threading.current_thread() is main else 0
+    )
+    devices = []
+
+    def alias(self, device):
+        devices.append(device)
+        return ALIAS
+
+    monkeypatch.setattr(cuda_host.HostRegistration, "device_alias", alias)
+    with create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a:
+        assert a.wait_ready(30)
+    assert devices == [torch.device("cuda", 3)]
