@@ -304,7 +304,12 @@ class Arena(SharedLifetime, RegisteredArena):
             os.close(fd)
             raise
         arena._count_attach()
-        arena._register(register_cuda, populate)
+        try:
+            arena._register(register_cuda, populate)
+        except BaseException:
+            del mm  # close unmaps only a mapping nothing else references
+            arena.close()
+            raise
         log.info("attached arena %s", path)
         return arena
 

@@ -1,8 +1,11 @@
+import errno
+import gc
 import logging
 import multiprocessing as mp
 import os
 import stat
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,6 +239,41 @@ def test_create_or_attach(arena_dir):
         assert a.created and not b.created
 
 
+def test_create_or_attach_gives_create_and_attach_only_their_own_arguments(arena_dir):
+    kw = {"directory": arena_dir, "block_bytes": B, "num_blocks": 4, "timeout_s": 5.0,
+          "processes": 0, "populate_threads": 1, "meta_bytes": B}  # fmt: skip
+    with Arena.create_or_attach("c", **kw) as a, Arena.create_or_attach("c", **kw) as b:
+        assert a.created and not b.created and a.meta_bytes == b.meta_bytes == B
+
+
+def test_create_or_attach_gives_up_after_three_files_gone_stale_under_it(
+    arena_dir, monkeypatch, caplog
+):
+    path, tries = os.path.join(arena_dir, "c"), []
+
+    def exists(cls, name, **kw):
+        tries.append("create")
+        raise ArenaExistsError(f"{path} already exists")
+
+    def stale(cls, name, **kw):
+        tries.append("attach")
+        raise ArenaStaleError(path, 7, 4242)
+
+    monkeypatch.setattr(Arena, "create", classmethod(exists))
+    monkeypatch.setattr(Arena, "attach", classmethod(stale))
+    with (
+        caplog.at_level(logging.WARNING, logger=arena_mod.log.name),
+        pytest.raises(ArenaError) as err,
+    ):
+        Arena.create_or_attach("c", directory=arena_dir, block_bytes=B, num_blocks=4)
+    assert str(err.value) == "could not create or attach 'c': it keeps changing under us"
+    assert tries == ["create", "attach"] * 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"arena {path} was created by process 4242, which is gone: the file is stale. Remove it "
+        "(Arena.create_or_attach and the vLLM connector reclaim it themselves); reclaiming it"
+    ] * 3
+
+
 def _child_create_and_die(arena_dir):
     a = create(arena_dir, name="stale", processes=2)  # nobody else attaches: name stays
     a.host[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
@@ -343,3 +381,135 @@ def test_attach_refuses_a_header_without_blocks_and_saturates_the_attach_count(a
         with pytest.raises(ArenaLayoutMismatch) as err:
             Arena.attach("a", directory=arena_dir, layout_key=KEY, timeout_s=0.2)
         assert err.value.field == "block_bytes"
+
+
+def test_create_refuses_bad_sizes_and_keys_by_name(arena_dir):
+    for block_bytes in (0, -B, B + 1):
+        with pytest.raises(ArenaError) as err:
+            create(arena_dir, block_bytes=block_bytes)
+        assert str(err.value) == (
+            f"block_bytes must be a positive multiple of the page size ({B}), got {block_bytes}"
+        )
+    most = arena_format.MAX_LAYOUT_KEY_BYTES
+    with pytest.raises(ArenaError) as err:
+        create(arena_dir, layout_key="k" * (most + 1))
+    assert str(err.value) == f"layout key is {most + 1} bytes, at most {most} fit the header"
+    with create(arena_dir, layout_key="k" * most) as a:  # exactly what fits
+        assert a.layout_key == "k" * most
+    with pytest.raises(ArenaError) as err:
+        create(arena_dir, layout_key=ANY_LAYOUT)
+    assert str(err.value) == "ANY_LAYOUT is for attach: give create the arena's real layout key"
+    for kw, message in [
+        ({"num_blocks": 0}, "num_blocks must be positive, got 0"),
+        ({"processes": -1}, "processes must be >= 0, got -1"),
+        ({"meta_bytes": -1}, "meta_bytes must be >= 0, got -1"),
+    ]:
+        with pytest.raises(ArenaError) as err:
+            create(arena_dir, **kw)
+        assert str(err.value) == message
+    with create(arena_dir, num_blocks=1, meta_bytes=1) as a:  # one block; a page of metadata
+        assert (a.num_blocks, a.meta_offset, a.meta_bytes) == (1, HEADER_BYTES, B)
+        assert os.stat(a.path).st_size == HEADER_BYTES + 2 * B
+        with pytest.raises(ArenaExistsError) as err:
+            create(arena_dir)
+        assert str(err.value) == (
+            f"{a.path} already exists: attach to it, pick another arena name, or remove the "
+            "file if no process uses it"
+        )
+    assert os.listdir(arena_dir) == []
+
+
+def test_a_create_that_fails_before_mapping_raises_its_error_and_leaves_no_file(
+    arena_dir, monkeypatch
+):
+    def no_room(fd, size):
+        raise OSError(errno.ENOSPC, "no room for the arena")
+
+    monkeypatch.setattr(os, "ftruncate", no_room)
+    with pytest.raises(OSError) as err:
+        create(arena_dir)
+    assert err.value.errno == errno.ENOSPC and str(err.value) == "[Errno 28] no room for the arena"
+    assert os.listdir(arena_dir) == []
+
+
+def test_attach_waits_30_s_by_default_and_names_the_file_it_waited_for(arena_dir, monkeypatch):
+    class Clock:  # the wait's clock: a sleep passes at once
+        now = 100.0
+
+        @classmethod
+        def monotonic(cls):
+            return cls.now
+
+        @classmethod
+        def sleep(cls, seconds):
+            cls.now += seconds
+
+    monkeypatch.setattr(arena_mod, "time", Clock)
+    monkeypatch.setattr(arena_format, "time", Clock)
+    path = os.path.join(arena_dir, "a")
+    with pytest.raises(ArenaAttachTimeout) as err:
+        Arena.attach("a", directory=arena_dir)
+    assert str(err.value) == (
+        f"no valid arena at {path} after 30.0 s (the file does not exist): start the creating "
+        "process first, or raise the attach timeout"
+    )
+    assert 130.0 <= Clock.now < 131.0
+    with create(arena_dir), pytest.raises(ArenaLayoutMismatch) as err:
+        Arena.attach("a", directory=arena_dir, num_blocks=17)
+    assert err.value.path == path
+
+
+def test_attach_logs_the_file_and_registers_as_asked(arena_dir, caplog):
+    with create(arena_dir, register_cuda="never") as a:
+        with caplog.at_level(logging.INFO, logger=arena_mod.log.name):
+            Arena.attach("a", directory=arena_dir, layout_key=KEY, register_cuda="never").close()
+        assert [r.getMessage() for r in caplog.records] == [f"attached arena {a.path}"]
+        with pytest.raises(ArenaError) as err:  # this host has no CUDA
+            Arena.attach("a", directory=arena_dir, layout_key=KEY, register_cuda="always")
+        assert str(err.value) == "register_cuda='always' but CUDA is not available"
+
+
+def test_a_refused_attach_unmaps_at_once(arena_dir):
+    with create(arena_dir, register_cuda="never") as a:
+        with pytest.raises(ArenaError) as err:  # this host has no CUDA
+            Arena.attach("a", directory=arena_dir, layout_key=KEY, register_cuda="always")
+        mapped = [m for m in Path("/proc/self/maps").read_text().splitlines() if a.path in m]
+        assert len(mapped) == 1 and err.value  # the creator's alone, while the error lives
+
+
+def test_the_header_names_the_creator_the_sizes_and_no_catalog_owner(arena_dir):
+    with create(arena_dir, processes=3, meta_bytes=1) as a:
+        header = arena_format.read_header(a._mm)
+        pid = os.getpid()
+        assert header == arena_mod.Header(
+            arena_format.MAGIC, arena_format.FORMAT_VERSION, HEADER_BYTES, B, 16, HEADER_BYTES + B,
+            pid, arena_mod.process_start_time(pid), a.nonce, 3, 1, len(a.layout_key), 0, 0,
+        )  # fmt: skip
+        assert header.creator_start > 0 and not a.warm_started
+        a.claim_ownership()  # nobody owns a new arena
+
+
+def test_an_arena_dropped_without_close_is_closed_by_the_collector(arena_dir):
+    a = create(arena_dir)
+    path, fd = a.path, a.fileno()
+    del a
+    gc.collect()
+    assert not os.path.exists(path)  # the creator's close unlinked it
+    with pytest.raises(OSError):
+        os.fstat(fd)  # and closed its descriptor
+
+
+def test_a_view_that_outlives_close_keeps_the_mapping_until_it_is_freed(arena_dir, caplog):
+    a = create(arena_dir)
+    view = a.host[:4]
+    view[:] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, logger=arena_mod.log.name):
+        a.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"arena {a.path}: tensors created from it are still alive; the mapping is released "
+        "when they are freed"
+    ]
+    assert view.tolist() == [1, 2, 3, 4]  # still mapped, never dangling
+    del view
+    gc.collect()
+    assert [m for m in Path("/proc/self/maps").read_text().splitlines() if a.path in m] == []

@@ -19,6 +19,7 @@ import types
 import pytest
 import torch
 
+from ecoffload.engine import arena as arena_mod
 from ecoffload.engine import arena_registration as registration_mod
 from ecoffload.engine import populate as populate_mod
 from ecoffload.engine import transfer as transfer_mod
@@ -26,7 +27,12 @@ from ecoffload.engine.allocator import BlockAllocator, Extent
 from ecoffload.engine.arena import Arena
 from ecoffload.engine.cache import OffloadCache
 from ecoffload.engine.catalog import Catalog
-from ecoffload.engine.errors import ArenaError, ArenaStaleError, InvalidSizeError
+from ecoffload.engine.errors import (
+    ArenaAttachTimeout,
+    ArenaError,
+    ArenaStaleError,
+    InvalidSizeError,
+)
 from ecoffload.engine.transfer import BlockMover
 
 B = 4096
@@ -540,3 +546,236 @@ def test_a_failed_first_chunk_leaves_the_rest_registered(arena_dir, fake_cupy, m
     with create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a:
         assert a.wait_ready(10)
         assert not a.covers([(0, 1)]) and a.covers([(4, 12)])
+
+
+# wait_ready: how often it looks, when it gives up.
+
+
+class FakeClock:
+    """Stands in for ``arena.time``: a sleep advances the clock at once and is recorded
+    (``on_sleep(n)`` after the n-th); a wait that never ends fails instead of hanging."""
+
+    def __init__(self, on_sleep=lambda n: None):
+        self.now, self.sleeps, self.on_sleep = 100.0, [], on_sleep
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+        assert len(self.sleeps) < 1000, "wait_ready never gave up"
+        self.on_sleep(len(self.sleeps))
+
+
+def hold_populate(monkeypatch):
+    """Chunks of 4 blocks; every chunk after the first waits for the event returned."""
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
+    release, real, calls = threading.Event(), populate_mod.prefault, []
+
+    def held(*args):
+        calls.append(args[2])
+        if len(calls) > 1:
+            assert release.wait(60), "the test never released the populate"
+        real(*args)
+
+    monkeypatch.setattr(populate_mod, "prefault", held)
+    release.calls = calls  # the offsets asked for so far
+    return release
+
+
+def creator_child(arena_dir, name, **kw):
+    """Fork a child that creates the arena ``name`` (``processes=2``: the name goes once
+    this process attaches); the function returned makes it exit without closing it."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)
+        try:
+            _arena = create(arena_dir, name=name, processes=2, **kw)  # held, never closed
+            os.write(ready_w, b"1")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(go_r)
+    assert os.read(ready_r, 1) == b"1", "the child could not create the arena"
+    os.close(ready_r)
+
+    def die():
+        os.write(go_w, b"1")
+        os.close(go_w)
+        assert os.waitpid(pid, 0)[1] == 0
+
+    return die
+
+
+def test_wait_ready_looks_every_1_to_20_ms_and_gives_up_at_its_deadline(arena_dir, monkeypatch):
+    release = hold_populate(monkeypatch)
+    clock = FakeClock()
+    with create(arena_dir, num_blocks=16, populate="background") as a:
+        try:
+            monkeypatch.setattr(arena_mod, "time", clock)
+            assert not a.wait_ready(timeout_s=0.1)  # the populate is held at its first chunk
+            assert clock.sleeps == [0.001, 0.002, 0.004, 0.008, 0.016, 0.02, 0.02, 0.02, 0.02]
+            assert a.ready_blocks == 4
+            clock.sleeps.clear()
+
+            def let_go(n):  # after the third look, the populate ends
+                if n == 3:
+                    release.set()
+                    for t in populate_threads():
+                        t.join(30)
+
+            clock.on_sleep = let_go
+            assert a.wait_ready()  # no deadline: until every block is ready
+            assert clock.sleeps == [0.001, 0.002, 0.004] and a.ready_blocks == 16
+        finally:
+            release.set()
+
+
+def test_wait_ready_answers_at_once_when_the_creator_died_mid_populate(arena_dir, monkeypatch):
+    hold_populate(monkeypatch)  # the child's populate stays at its first chunk
+    die = creator_child(arena_dir, "d", num_blocks=16, populate="background")
+    with Arena.attach("d", directory=arena_dir, register_cuda="never") as b:
+        assert b.ready_blocks == 4
+        die()
+        clock = FakeClock()
+        monkeypatch.setattr(arena_mod, "time", clock)
+        assert not b.wait_ready(timeout_s=30) and clock.sleeps == []  # the rest never comes
+
+
+def test_wait_ready_waits_for_the_registration_after_the_creator_is_gone(
+    arena_dir, fake_cupy, monkeypatch
+):
+    runtime = fake_cupy()
+    die = creator_child(arena_dir, "r", num_blocks=16)  # populated at once, then gone
+    registering, real = threading.Event(), runtime.hostRegister
+
+    def held(ptr, size, flags):
+        assert registering.wait(60), "the test never released the registration"
+        real(ptr, size, flags)
+
+    runtime.hostRegister = held
+
+    def let_go(n):
+        if n == 3:
+            registering.set()
+            for t in populate_threads():  # the registrar
+                t.join(30)
+
+    try:
+        with Arena.attach("r", directory=arena_dir, populate="background") as b:
+            die()
+            clock = FakeClock(let_go)
+            monkeypatch.setattr(arena_mod, "time", clock)
+            assert b.ready_blocks == 16 and b.registered_fraction == 0.0
+            assert b.wait_ready(timeout_s=30)  # the prefix is all there: registration follows
+            assert clock.sleeps == [0.001, 0.002, 0.004] and b.registered_fraction == 1.0
+    finally:
+        registering.set()
+
+
+def test_repr_names_the_file_the_size_the_state_and_the_role(arena_dir, fake_cupy):
+    with (
+        create(arena_dir, num_blocks=4) as a,
+        Arena.attach("s", directory=arena_dir, register_cuda="never") as b,
+    ):
+        assert repr(a) == f"Arena({a.path!r}, 4 x 4096 B, host, creator)"
+        assert repr(b) == f"Arena({a.path!r}, 4 x 4096 B, host, attached)"
+    assert repr(a) == f"Arena({a.path!r}, 4 x 4096 B, closed, creator)"
+    assert repr(b) == f"Arena({a.path!r}, 4 x 4096 B, closed, attached)"
+    fake_cupy()
+    with create(arena_dir, num_blocks=4, populate="lazy", register_cuda="auto") as c:
+        assert repr(c) == f"Arena({c.path!r}, 4 x 4096 B, cuda, creator)"
+        assert c.device_view(ALIAS.device) is ALIAS and c.device is ALIAS
+    assert not c.registered and c.device is None  # closed: no registration, no alias
+    assert c.registered_fraction == 0.0 and not c.covers([(0, 1)])
+
+
+def test_an_attacher_during_an_eager_populate_waits_for_the_header(arena_dir, monkeypatch):
+    release = hold_populate(monkeypatch)
+    made = []
+    creator = threading.Thread(target=lambda: made.append(create(arena_dir, num_blocks=16)))
+    creator.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(release.calls) < 2 and time.monotonic() < deadline:  # until populate is held
+            time.sleep(0.001)
+        with pytest.raises(ArenaAttachTimeout) as err:  # the magic is written last
+            Arena.attach("s", directory=arena_dir, register_cuda="never", timeout_s=0.2)
+        assert "(the header is not written yet)" in str(err.value)
+    finally:
+        release.set()
+        creator.join(30)
+    with made[0] as a, Arena.attach("s", directory=arena_dir, register_cuda="never") as b:
+        assert a.ready_blocks == b.ready_blocks == 16
+
+
+def test_create_logs_what_it_made_and_its_populate_names_the_file(arena_dir, caplog):
+    with caplog.at_level(logging.DEBUG, logger=arena_mod.log.name), create(arena_dir) as a:
+        lines = [r.getMessage() for r in caplog.records]
+    assert lines[-1] == f"created arena {a.path}: 64 blocks of 4096 bytes, populate eager"
+    assert lines[0].startswith(f"arena {a.path}: pre-faulted 0.0 GiB in ")
+
+
+def test_a_create_whose_populate_fails_unmaps_and_removes_the_file(arena_dir, monkeypatch):
+    def fail(*args):
+        raise OSError(12, "pre-faulting: Cannot allocate memory")
+
+    monkeypatch.setattr(populate_mod, "prefault", fail)
+    with pytest.raises(ArenaError) as err:
+        create(arena_dir)
+    assert str(err.value) == (
+        "[Errno 12] pre-faulting: Cannot allocate memory; "
+        "is there enough free memory for the arena?"
+    )
+    assert [m for m in open_maps() if arena_dir in m] == [] and os.listdir(arena_dir) == []
+
+
+def open_maps():
+    with open("/proc/self/maps") as maps:
+        return maps.read().splitlines()
+
+
+def test_eager_registration_is_done_when_create_or_attach_returns(arena_dir, fake_cupy):
+    fake_cupy()
+    with create(arena_dir, num_blocks=16, register_cuda="auto") as a:
+        assert a.device is ALIAS and a.registered_fraction == 1.0
+        with Arena.attach("s", directory=arena_dir) as b:  # eager and auto by default
+            assert b.device is ALIAS and b.registered_fraction == 1.0
+        with Arena.attach("s", directory=arena_dir, register_cuda="never") as c:
+            assert not c.registered and c.device is None
+
+
+def test_always_registers_before_create_returns_even_with_a_background_populate(
+    arena_dir, fake_cupy
+):
+    fake_cupy(fail_offsets={0})
+    with pytest.raises(ArenaError) as err:  # synchronous: the failure is create's
+        create(arena_dir, num_blocks=16, populate="background", register_cuda="always")
+    assert "cudaErrorHostMemoryAlreadyRegistered (simulated)" in str(err.value)
+    assert os.listdir(arena_dir) == []
+
+
+def test_the_registrar_thread_aliases_the_device_current_where_the_arena_was_opened(
+    arena_dir, fake_cupy, monkeypatch
+):
+    from ecoffload.engine import cuda_host
+
+    fake_cupy()
+    main = threading.main_thread()  # CUDA's current device is per thread: 0 in a new one
+    monkeypatch.setattr(
+        torch.cuda, "current_device", lambda: 3 if threading.current_thread() is main else 0
+    )
+    devices = []
+
+    def alias(self, device):
+        devices.append(device)
+        return ALIAS
+
+    monkeypatch.setattr(cuda_host.HostRegistration, "device_alias", alias)
+    with create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a:
+        assert a.wait_ready(30)
+    assert devices == [torch.device("cuda", 3)]

@@ -330,6 +330,31 @@ def test_a_persistent_shared_cache_restarts_warm_and_drops_corrupted_items(arena
     assert Arena.remove_shared("p", directory=arena_dir)
 
 
+def test_a_warm_start_says_what_verification_kept_and_dropped(arena_dir, caplog):
+    import logging
+    import os
+
+    kw = dict(arena_bytes=16 * B, block_bytes=B, directory=arena_dir, shared=True,
+              persistent=True, integrity=True, max_items=4)  # fmt: skip
+    with OffloadCache.create("p", **kw) as c:  # a catalog of 4 items, not 16
+        c.save(items(3))
+        c.flush()
+        (start, _), *_ = c.catalog.entry("img-1").extents
+        at, path = c.arena._data_offset + start * B + 3, c.arena.path
+    fd = os.open(path, os.O_RDWR)  # a stray write while nobody held the file
+    os.pwrite(fd, b"\xff\xfe", at)
+    os.close(fd)
+    with (
+        caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_cache"),
+        OffloadCache.create("p", **kw) as c,
+    ):
+        assert c.arena.warm_started and len(c.catalog) == 2
+    assert [r.getMessage() for r in caplog.records if r.name.endswith("shared_cache")] == [
+        f"ecoffload: warm start from {path}: 2 items kept, 1 dropped by verification"
+    ]
+    assert Arena.remove_shared("p", directory=arena_dir)
+
+
 def _slow_background_creator(arena_dir, created):
     import time
 
@@ -389,3 +414,21 @@ def test_shared_background_populate_hands_out_ready_blocks_only_and_survives_its
         mine.catalog.check()
         assert (other.load(["x31"])["x31"] == 31).all()
     mine.close()
+
+
+def test_a_warm_start_before_any_catalog_was_opened_formats_it_with_its_own_size(arena_dir):
+    from ecoffload.engine.errors import ArenaError
+    from ecoffload.engine.shared_cache import meta_bytes, open_catalog, open_shared_arena
+
+    kw = dict(block_bytes=B, num_blocks=16, layout_key="m", directory=arena_dir,
+              register_cuda="never", populate="eager", persistent=True, max_items=4)  # fmt: skip
+    with open_shared_arena("p", **kw) as arena:  # its holder goes before opening the catalog
+        assert arena.layout_key == "m"
+        assert arena.meta_bytes == meta_bytes(16, B, 4) < meta_bytes(16, B)  # 4 items' room
+    with open_shared_arena("p", **kw) as arena, open_catalog(arena, max_items=4) as catalog:
+        assert arena.warm_started and len(catalog) == 0  # verified: formatted for 4 items
+    assert Arena.remove_shared("p", directory=arena_dir)
+    with pytest.raises(ArenaError) as err:  # this host has no CUDA
+        open_shared_arena("p", **{**kw, "register_cuda": "always"})
+    assert str(err.value) == "register_cuda='always' but CUDA is not available"
+    Arena.remove_shared("p", directory=arena_dir)

@@ -39,7 +39,9 @@ def mapping(tmp_path, monkeypatch):
     os.close(fd)
 
 
-def test_threads_default_to_one_below_the_parallel_size_and_never_exceed_the_chunks(mapping):
+def test_threads_default_to_one_below_the_parallel_size_and_never_exceed_the_chunks(
+    mapping, monkeypatch
+):
     _, mm, path = mapping
     assert Populator(mm, 0, PARALLEL_POPULATE_BYTES - 1, None, path).threads == 1
     many = Populator(mm, 0, PARALLEL_POPULATE_BYTES, None, path)
@@ -49,6 +51,18 @@ def test_threads_default_to_one_below_the_parallel_size_and_never_exceed_the_chu
     two = Populator(mm, 0, populate.POPULATE_CHUNK + 1, 5, path)  # 2 chunks: 2 threads
     assert two.threads == 2 and two._chunks[1] == (populate.POPULATE_CHUNK, 1)
     assert Populator(mm, 0, P, 0, path).threads == 1
+    # the size decides, wherever the area starts: just below it at 1 MiB is still one
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert Populator(mm, 1 << 20, (1 << 20) + PARALLEL_POPULATE_BYTES - 1, None, path).threads == 1
+
+
+@pytest.mark.parametrize("cpus,threads", [(16, 8), (None, 1)], ids=["many-cpus", "unknown"])
+def test_a_large_populate_takes_at_most_8_threads_and_1_when_the_cpus_are_unknown(
+    mapping, monkeypatch, cpus, threads
+):
+    _, mm, path = mapping
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    assert Populator(mm, 0, PARALLEL_POPULATE_BYTES, None, path).threads == threads
 
 
 def test_a_resumed_populate_starts_at_its_prefix_and_publishes_from_there(mapping, monkeypatch):
@@ -153,3 +167,72 @@ def test_populate_threads_are_named_daemons_and_stop_within_their_chunk(mapping,
         p.stop()
     assert not any(t.is_alive() for t in threads)
     assert arena_format.read_ready(mm, 16 * P) == 2 * P  # the two chunks in flight, no more
+
+
+GIB, MIB = 1 << 30, 1 << 20
+
+
+def timed_populate(monkeypatch, mm, path, start, total, chunk, done, finished_at, fail_at=None):
+    """A Populator over ``total`` bytes at ``start`` (nothing faulted: prefault is a
+    stand-in) on a clock of its own: chunk ``i`` finishes at ``finished_at[i]`` s,
+    the populate begins at 50 s; the chunk at ``fail_at`` raises ENOMEM instead."""
+    clock = [50.0]
+    monkeypatch.setattr(populate, "time", type("Clock", (), {"monotonic": lambda: clock[0]}))
+    monkeypatch.setattr(populate, "POPULATE_CHUNK", chunk)
+    p = Populator(mm, start, start + total, 1, path, done=done)
+    offsets = [o for o, _ in p._chunks]
+
+    def faulted(_mm, _base, offset, size, _path):
+        if offset == fail_at:
+            raise OSError(errno.ENOMEM, f"pre-faulting {_path}: {os.strerror(errno.ENOMEM)}")
+        clock[0] = finished_at[offsets.index(offset)]
+
+    monkeypatch.setattr(populate, "prefault", faulted)
+    return p
+
+
+@pytest.mark.parametrize(
+    "done,finished_at,expected",
+    [
+        pytest.param(  # 4.5 GiB in 5 chunks: its end at INFO; a line every 0.25 s
+            0, [50.1, 50.25, 50.4, 50.6, 50.8], [
+                (logging.INFO, "pre-faulted 44% (2.0 of 4.5 GiB) at 8.00 GiB/s, ETA 0.3 s"),
+                (logging.INFO, "pre-faulted 88% (4.0 of 4.5 GiB) at 6.67 GiB/s, ETA 0.1 s"),
+                (logging.INFO, "pre-faulted 4.5 GiB in 0.80 s (5.63 GiB/s, 1 thread(s))"),
+            ], id="five-chunks",
+        ),
+        pytest.param(  # resumed after its first 1.5 GiB: the rate counts what this run faulted
+            3 * GIB // 2, [50.5, 50.75, 51.0], [
+                (logging.INFO, "pre-faulted 55% (2.5 of 4.5 GiB) at 2.00 GiB/s, ETA 1.0 s"),
+                (logging.INFO, "pre-faulted 77% (3.5 of 4.5 GiB) at 2.67 GiB/s, ETA 0.4 s"),
+                (logging.DEBUG, "pre-faulted 4.5 GiB in 1.00 s (3.00 GiB/s, 1 thread(s))"),
+            ], id="resumed-three-chunks",
+        ),
+    ],
+)  # fmt: skip
+def test_progress_and_end_lines_carry_the_sizes_rate_and_times_of_the_populate(
+    mapping, monkeypatch, caplog, done, finished_at, expected
+):
+    _, mm, path = mapping
+    monkeypatch.setattr(populate, "PROGRESS_EVERY_S", 0.25)
+    p = timed_populate(monkeypatch, mm, path, 3 * MIB, 9 * GIB // 2, GIB, done, finished_at)
+    with caplog.at_level(logging.DEBUG, logger=LOG):
+        p.run()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == LOG]
+    assert lines == [(level, f"arena {path}: {line}") for level, line in expected]
+    assert p.seconds == finished_at[-1] - 50.0
+    assert arena_format.read_ready(mm, 5 * GIB) == 9 * GIB // 2
+
+
+def test_a_failure_names_the_ready_and_whole_size_in_mib(mapping, monkeypatch, caplog):
+    _, mm, path = mapping
+    start = 3 * MIB
+    p = timed_populate(monkeypatch, mm, path, start, 8 * MIB, MIB, 0, [50.0 + i for i in range(8)],
+                       fail_at=start + 3 * MIB)  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger=LOG), pytest.raises(ArenaError):
+        p.run()
+    reason = f"[Errno {errno.ENOMEM}] pre-faulting {path}: {os.strerror(errno.ENOMEM)}"
+    assert [r.getMessage() for r in caplog.records if r.name == LOG] == [
+        f"arena {path}: populate stopped at 3 of 8 MiB ({reason}); only the ready part is used"
+    ]
+    assert arena_format.read_ready(mm, 8 * MIB) == 3 * MIB
