@@ -259,7 +259,7 @@ class Arena(SharedLifetime, RegisteredArena):
         except BaseException:
             # The error's traceback keeps this frame: were its locals still to reference
             # the mapping, close could not unmap while anyone kept the error (a log record).
-            mm = populator = None
+            del mm, populator
             arena.close()  # stops the populate threads and removes the file
             raise
         log.info(
@@ -307,7 +307,7 @@ class Arena(SharedLifetime, RegisteredArena):
         try:
             arena._register(register_cuda, populate)
         except BaseException:
-            del mm  # close unmaps only a mapping nothing else references
+            del mm  # as in _new: the traceback keeps this frame
             arena.close()
             raise
         log.info("attached arena %s", path)
