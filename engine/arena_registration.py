@@ -193,6 +193,7 @@ class RegisteredArena:
             if mode == "always" and registrar.first_error is not None:
                 raise registrar.first_error
         except Exception as exc:
+            mm = None  # the error's traceback keeps this frame: let close unmap
             self._registration.close()
             self._registration_failed(mode, exc)
             return

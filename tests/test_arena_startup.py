@@ -779,3 +779,68 @@ def test_the_registrar_thread_aliases_the_device_current_where_the_arena_was_ope
     with create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a:
         assert a.wait_ready(30)
     assert devices == [torch.device("cuda", 3)]
+
+
+def test_a_synchronous_registration_sleeps_while_the_populate_goes_on(
+    arena_dir, fake_cupy, monkeypatch
+):
+    """``register_cuda="always"`` with a background populate: create returns with every
+    byte registered, having waited in 5-ms sleeps for a populator that lives."""
+    runtime = fake_cupy()
+    release = hold_populate(monkeypatch)
+    sleeps = []
+
+    def sleep(seconds):  # the registration's wait: let the populate go on from here
+        sleeps.append(seconds)
+        release.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(registration_mod, "time", types.SimpleNamespace(sleep=sleep))
+    with create(arena_dir, num_blocks=16, populate="background", register_cuda="always") as a:
+        assert a.ready_bytes == a.nbytes and a.registered_fraction == 1.0
+        assert sum(size for _, size in runtime.calls) == a.nbytes
+    assert sleeps and set(sleeps) == {0.005}
+
+
+def test_a_synchronous_registration_whose_populator_died_says_so(arena_dir, fake_cupy, monkeypatch):
+    fake_cupy()
+    release = hold_populate(monkeypatch)
+    # its populator "died" at the registration's first look (released, or close would
+    # wait for the held chunk)
+    monkeypatch.setattr(Arena, "_populator_alive", lambda self: release.set() or False)
+    path = os.path.join(arena_dir, "s")
+    with pytest.raises(ArenaError) as err:
+        create(arena_dir, num_blocks=16, populate="background", register_cuda="always")
+    assert str(err.value) == (
+        f"CUDA host registration of {path} failed: the populating process died before "
+        "populating it"
+    )  # fmt: skip
+    assert os.listdir(arena_dir) == []
+
+
+def test_always_raises_the_first_failed_span_s_error_and_auto_keeps_the_rest(
+    arena_dir, fake_cupy, monkeypatch, caplog
+):
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
+    monkeypatch.setattr(registration_mod, "REGISTER_CHUNK_BYTES", CHUNK)  # spans of a chunk
+    fake_cupy(fail_offsets={CHUNK})  # the second span
+    path = os.path.join(arena_dir, "s")
+    with pytest.raises(ArenaError) as err:
+        create(arena_dir, num_blocks=16, populate="eager", register_cuda="always")
+    assert str(err.value) == (
+        f"CUDA host registration of {path} failed: cudaErrorHostMemoryAlreadyRegistered "
+        "(simulated)"
+    )  # fmt: skip
+    with open("/proc/self/maps") as maps:  # the error kept here: unmapped all the same
+        assert path not in maps.read()
+    with (
+        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
+        create(arena_dir, num_blocks=16, populate="eager", register_cuda="auto") as a,
+    ):
+        assert a.registered and a.registered_fraction == 0.75
+    assert [r.getMessage() for r in caplog.records if r.name == "ecoffload.engine.arena"
+            and r.levelno == logging.WARNING] == 2 * [  # one a create, nothing else
+        f"arena {path}: CUDA host registration failed for bytes [{CHUNK}, {2 * CHUNK}) "
+        "(cudaErrorHostMemoryAlreadyRegistered (simulated)); copies of blocks there fall "
+        "back to host memory, the rest use the registered alias"
+    ]  # fmt: skip
