@@ -332,16 +332,18 @@ def run_applied(root: Path, module: str, codes: dict[str, int], env: dict[str, s
     source = root / "src" / "ecoffload" / module
     plain = source.read_text()
     env = {**env, "PYTHONPATH": "src"}  # the staging copy, not the installed package
+    pytest = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+              f"--basetemp={root / 'applied-tmp'}", *tests]  # fmt: skip
+    clean = subprocess.run(pytest, cwd=root, env=env, capture_output=True, text=True)
+    if clean.returncode:  # else every mutant would count as killed
+        sys.exit(f"{module}: APPLIED's tests fail on the plain copy:\n{clean.stdout[-3000:]}")
     for name in names:
         try:
             subprocess.run([sys.executable, "-m", "mutmut", "apply", name], cwd=root, env=env,
                            check=True, capture_output=True)  # fmt: skip
             assert source.read_text() != plain, f"mutmut apply {name} changed nothing"
-            test = subprocess.run(
-                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                 f"--basetemp={root / 'applied-tmp'}", *tests],
-                cwd=root, env=env, capture_output=True, timeout=APPLIED_TIMEOUT,
-            )  # fmt: skip
+            test = subprocess.run(pytest, cwd=root, env=env, capture_output=True,
+                                  timeout=APPLIED_TIMEOUT)  # fmt: skip
             codes[name] = test.returncode
         except subprocess.TimeoutExpired:
             codes[name] = 24  # counted as a timeout, as mutmut's CPU-time limit would be
