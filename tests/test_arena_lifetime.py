@@ -40,6 +40,16 @@ def open_shared(arena_dir, name="s", **kw) -> Arena:
     return Arena.open_shared(name, directory=arena_dir, **kw)
 
 
+def leftover(arena_dir, content: bytes, mode: int = 0o600) -> str:
+    """A file under the arena's name as another program (or a creator cut short) left it."""
+    path = os.path.join(arena_dir, "s")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
+    os.write(fd, content)
+    os.fchmod(fd, mode)
+    os.close(fd)
+    return path
+
+
 def messages(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == LOG]
 
@@ -97,10 +107,7 @@ def test_an_arena_of_the_other_lifetime_or_persistence_is_refused_whole(arena_di
             Arena.remove_shared("s", directory=arena_dir)
         assert str(err.value) == f"arena {s.path} is held open by live processes: close them first"
     assert not Arena.remove_shared("s", directory=arena_dir)  # the last close removed it
-    path = os.path.join(arena_dir, "s")
-    with open(path, "wb") as f:
-        f.write(bytes(arena_format.HEADER_BYTES))
-    os.chmod(path, 0o644)
+    path = leftover(arena_dir, bytes(arena_format.HEADER_BYTES), mode=0o644)
     with pytest.raises(ArenaError) as err:
         Arena.remove_shared("s", directory=arena_dir)  # not ours alone: left alone
     assert str(err.value).startswith(f"{path} has mode 644, expected 600")
@@ -275,16 +282,6 @@ def test_a_shared_arena_whose_janitor_cannot_start_is_closed_and_refused(
     with open("/proc/self/maps") as maps:
         assert path not in maps.read()
     assert "still alive" not in caplog.text
-
-
-def leftover(arena_dir, content: bytes, mode: int = 0o600) -> str:
-    """A file under the arena's name as another program (or a creator cut short) left it."""
-    path = os.path.join(arena_dir, "s")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
-    os.write(fd, content)
-    os.fchmod(fd, mode)
-    os.close(fd)
-    return path
 
 
 def test_a_file_that_is_no_arena_or_not_ours_alone_is_refused_by_a_joiner(arena_dir):

@@ -45,6 +45,20 @@ def reopen(path, **layout) -> SharedCatalog:
         os.close(fd)
 
 
+def two_ready_items_and_a_counting_reader(path, monkeypatch):
+    """A catalog with "a" and "b" ready (slots 0 and 1) and a second object on it whose
+    hash-table lookups (``_find``) are recorded: (catalog, reader, keys looked up)."""
+    c = open_shared(path, 8)
+    for key in "ab":
+        c.reserve(key, B)
+        c.commit(key)
+    other = reopen(path)
+    finds = []
+    inner = other._find
+    monkeypatch.setattr(other, "_find", lambda kb, h: finds.append(kb) or inner(kb, h))
+    return c, other, finds
+
+
 @pytest.mark.parametrize("rebuilt", [False, True], ids=["linked", "rebuilt"])
 def test_a_hit_moves_an_item_behind_newer_ones_even_after_a_rebuild(tmp_path, rebuilt):
     c = open_shared(tmp_path / "c", 4)
@@ -674,14 +688,7 @@ def test_an_object_counts_its_own_hits_and_misses_whichever_path_serves_them(
 
 def test_a_hit_on_an_item_seen_ready_asks_no_table(tmp_path, monkeypatch):
     monkeypatch.setenv(shared_catalog_native.ENV_VAR, "0")  # the Python way's own shortcut
-    c = open_shared(tmp_path / "c", 8)
-    for key in "ab":  # slots 0 and 1
-        c.reserve(key, B)
-        c.commit(key)
-    other = reopen(tmp_path / "c")
-    finds = []
-    inner = other._find
-    monkeypatch.setattr(other, "_find", lambda kb, h: finds.append(kb) or inner(kb, h))
+    c, other, finds = two_ready_items_and_a_counting_reader(tmp_path / "c", monkeypatch)
     for _ in range(3):
         assert [other.lookup(k).key for k in "ba"] == ["b", "a"]
     assert finds == [b"b", b"a"]  # each once, the first time

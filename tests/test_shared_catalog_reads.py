@@ -3,22 +3,13 @@ keys from the slot table, an object keeps one entry per item and refreshes it in
 place, a CRC of 0 is a checksum like any other, and reads never mark the catalog
 dirty (a reader that dies holding the lock costs no rebuild)."""
 
-import os
 import zlib
 
 from test_catalog import B, open_shared
+from test_shared_catalog import reopen, two_ready_items_and_a_counting_reader
 
 from ecoffload.engine import shared_catalog_format as f
 from ecoffload.engine.catalog import ItemState
-from ecoffload.engine.shared_catalog import SharedCatalog
-
-
-def reopen(path) -> SharedCatalog:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return SharedCatalog(fd, 0, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
 
 
 def test_entries_read_every_key_from_the_slot_table_in_slot_order(tmp_path):
@@ -109,14 +100,7 @@ def test_keys_whose_crc32_collide_are_told_apart_by_their_bytes(tmp_path):
 
 
 def test_a_key_seen_before_is_found_without_hashing_it(tmp_path, monkeypatch):
-    c = open_shared(tmp_path / "c", 8)
-    for key in "ab":  # slots 0 and 1
-        c.reserve(key, B)
-        c.commit(key)
-    other = reopen(tmp_path / "c")
-    finds = []
-    inner = other._find
-    monkeypatch.setattr(other, "_find", lambda kb, h: finds.append(kb) or inner(kb, h))
+    c, other, finds = two_ready_items_and_a_counting_reader(tmp_path / "c", monkeypatch)
     for _ in range(3):
         assert (other.state("a"), other.state("b")) == (ItemState.READY, ItemState.READY)
     assert finds == [b"a", b"b"]  # each once, the first time
