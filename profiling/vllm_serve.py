@@ -124,19 +124,15 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-VLLM_SEGMENTS = ("psm_", "sem.mp-")  # the /dev/shm names a killed server leaves
-
-
 class Server:
     """One ``vllm serve`` process group on 127.0.0.1; a context manager that kills it."""
 
     def __init__(self, proc: subprocess.Popen, port: int, log_path: str) -> None:
         self.proc, self.port, self.log_path = proc, port, log_path
         self.base_url = f"http://127.0.0.1:{port}"
-        # vLLM's shared-memory segments (Python's SharedMemory names them psm_*, 160-240
-        # MiB each) and multiprocessing's named semaphores (sem.mp-*), as its processes
-        # held them once ready: unlinked when it exits, not when it is killed, so close()
-        # removes the ones nobody holds any more.
+        # vLLM's shared-memory segments (Python's SharedMemory names them psm_*), 160-240
+        # MiB each, as its processes held them once ready: vLLM unlinks them when it exits,
+        # a killed server cannot, so close() removes the ones nobody holds any more.
         self.vllm_segments: set[str] = set()
 
     @classmethod
@@ -187,7 +183,7 @@ class Server:
         except BaseException:
             server.close()
             raise
-        server.vllm_segments = {n for n in server.shm_held() if n.startswith(VLLM_SEGMENTS)}
+        server.vllm_segments = {n for n in server.shm_held() if n.startswith("psm_")}
         return server
 
     def wait_ready(self, timeout_s: float) -> None:
