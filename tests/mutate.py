@@ -297,7 +297,8 @@ def run(module: str, children: int, fast_only: bool = False) -> dict:
     meta = root / "mutants" / "src" / "ecoffload" / f"{module}.meta"
     if not meta.exists():
         sys.exit(f"{module}: mutmut produced no results; see {root / 'mutmut-run.log'}")
-    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    recorded = json.loads(meta.read_text())
+    codes = recorded["exit_code_by_key"]
     applied = run_applied(root, module, codes, env) if module in APPLIED else []
     seconds = time.monotonic() - start  # with APPLIED's runs
     status = Counter(
@@ -307,7 +308,7 @@ def run(module: str, children: int, fast_only: bool = False) -> dict:
     survivors = sorted(k for k, c in codes.items() if c not in DETECTED)
     # each survivor's test time: one far above its peers' waited on something (a survivor
     # costs every test that calls the function; a hang ends as a timeout, at the limit)
-    took = json.loads(meta.read_text()).get("durations_by_key", {})
+    took = recorded.get("durations_by_key", {})
     return {
         "module": module + (" (fast only)" if fast_only else ""),
         "mutants": len(codes),
