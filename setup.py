@@ -1,6 +1,6 @@
 """The two C fast passes as extension modules, built at install time (everything else is
 in pyproject.toml): the planner's (``kernels/plan_native.c``) and the shared catalog's
-hits, pins and unpins (``engine/shared_catalog_native.c``).
+hits, pins and unpins (``engine/catalog/shared/native.c``).
 
 ``optional=True``: where no C compiler or no Python headers are found the install
 warns ("building extension ... failed") and goes on; the planner then runs its
@@ -19,8 +19,8 @@ setup(
             "ecoffload.kernels._plan_native", ["kernels/plan_native.c"], optional=True, **FLAGS
         ),
         Extension(
-            "ecoffload.engine._catalog_native",
-            ["engine/shared_catalog_native.c"],
+            "ecoffload.engine.catalog.shared._catalog_native",
+            ["engine/catalog/shared/native.c"],
             optional=True,
             **FLAGS,
         ),

@@ -41,9 +41,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.arena_format import POPULATE_MODES, check_arena_name
-from ..engine.errors import ArenaError, ConfigError
-from ..engine.sizes import parse_bytes
+from ..engine.arena.format import POPULATE_MODES, check_arena_name
+from ..engine.base.errors import ArenaError, ConfigError
+from ..engine.base.sizes import parse_bytes
 
 DEFAULTS: dict[str, Any] = {
     "arena_bytes": "4GiB",

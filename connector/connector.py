@@ -26,51 +26,58 @@ from .worker_side import WorkerSide
 
 
 class ECOffloadConnector(ECConnectorBase):
+    side: SchedulerSide | WorkerSide  # the delegate of this process's role
+    # the same delegate typed by role: only that role's hooks are ever called (by vLLM)
+    _scheduler: SchedulerSide
+    _worker: WorkerSide
+
     def __init__(self, vllm_config: Any, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         transfer = vllm_config.ec_transfer_config
         config = OffloadConfig.from_extra_config(
             transfer.ec_connector_extra_config, default_name=default_arena_name(vllm_config)
         )
-        side = SchedulerSide if role == ECConnectorRole.SCHEDULER else WorkerSide
-        self.side: SchedulerSide | WorkerSide = side(vllm_config, config)
+        if role == ECConnectorRole.SCHEDULER:
+            self.side = self._scheduler = SchedulerSide(vllm_config, config)
+        else:
+            self.side = self._worker = WorkerSide(vllm_config, config)
 
     # Scheduler side.
     @traced("ecoffload.has_cache_item")
     def has_cache_item(self, identifier: str) -> bool:
-        return self.side.has_cache_item(identifier)
+        return self._scheduler.has_cache_item(identifier)
 
     @traced("ecoffload.update_state_after_alloc")
     def update_state_after_alloc(self, request: Any, index: int) -> None:
-        self.side.update_state_after_alloc(request, index)
+        self._scheduler.update_state_after_alloc(request, index)
 
     @traced("ecoffload.build_connector_meta")
     def build_connector_meta(self, scheduler_output: Any):
-        return self.side.build_connector_meta(scheduler_output)
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     @traced("ecoffload.update_connector_output")
     def update_connector_output(self, connector_output: Any) -> None:
-        self.side.update_connector_output(connector_output)
+        self._scheduler.update_connector_output(connector_output)
 
     @traced("ecoffload.request_finished")
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        return self.side.request_finished(request)
+        return self._scheduler.request_finished(request)
 
     @traced("ecoffload.has_pending_push_work")
     def has_pending_push_work(self) -> bool:
-        return self.side.has_pending_push_work()
+        return self._scheduler.has_pending_push_work()
 
     @traced("ecoffload.ensure_cache_available")
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
-        return self.side.ensure_cache_available(request, num_computed_tokens)
+        return self._scheduler.ensure_cache_available(request, num_computed_tokens)
 
     @traced("ecoffload.take_unavailable_requests")
     def take_unavailable_requests(self) -> set[str]:
-        return self.side.take_unavailable_requests()
+        return self._scheduler.take_unavailable_requests()
 
     @traced("ecoffload.update_state_after_free")
     def update_state_after_free(self, request: Any, index: int) -> None:
-        self.side.update_state_after_free(request, index)
+        self._scheduler.update_state_after_free(request, index)
 
     @traced("ecoffload.get_ec_connector_stats")
     def get_ec_connector_stats(self) -> ECOffloadStats | None:
@@ -81,7 +88,7 @@ class ECOffloadConnector(ECConnectorBase):
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECOffloadStats:
         return ECOffloadStats(data=dict(data or {}))
 
-    def offload_stats(self) -> dict[str, int]:
+    def offload_stats(self) -> dict[str, int | float]:
         """Cumulative counters of this side (scheduler: hits, misses, saves, loads...)."""
         return self.side.stats()
 
@@ -89,34 +96,34 @@ class ECOffloadConnector(ECConnectorBase):
     @traced("ecoffload.bind_connector_metadata")
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self.side.bind_connector_metadata(connector_metadata)
+        self._worker.bind_connector_metadata(connector_metadata)
 
     @traced("ecoffload.clear_connector_metadata")
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        self.side.clear_connector_metadata()
+        self._worker.clear_connector_metadata()
 
     @traced("ecoffload.start_load_caches")
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        self.side.start_load_caches(encoder_cache, **kwargs)
+        self._worker.start_load_caches(encoder_cache, **kwargs)
 
     @traced("ecoffload.save_caches")
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
-        self.side.save_caches(encoder_cache, mm_hash, **kwargs)
+        self._worker.save_caches(encoder_cache, mm_hash, **kwargs)
 
     @traced("ecoffload.get_finished")
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.side.get_finished(finished_req_ids)
+        return self._worker.get_finished(finished_req_ids)
 
     @traced("ecoffload.build_connector_worker_meta")
     def build_connector_worker_meta(self):
-        return self.side.build_connector_worker_meta()
+        return self._worker.build_connector_worker_meta()
 
     @traced("ecoffload.start_worker_services")
     def start_worker_services(self) -> None:
-        self.side.start_worker_services()
+        self._worker.start_worker_services()
 
     # Both.
     @traced("ecoffload.shutdown")

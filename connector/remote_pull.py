@@ -81,11 +81,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.allocator import Extent
-from ..engine.catalog import ItemState
-from ..engine.errors import CatalogError
-from ..engine.items import item_crc32
-from ..engine.remote import ArenaPeer, Pull, PullHandle
+from ..engine.base.errors import CatalogError
+from ..engine.base.items import item_crc32
+from ..engine.catalog.allocator import Extent
+from ..engine.catalog.catalog import ItemState
+from ..engine.remote.peer import ArenaPeer, Pull, PullHandle
 from .config import NixlConfig
 from .transfer_params import AnnouncedItem, TransferParams
 

@@ -46,8 +46,8 @@ import os
 from collections import Counter
 from typing import Any
 
-from ..engine.errors import CatalogError, DuplicateItemError
-from ..engine.liveness import process_start_time
+from ..engine.base.errors import CatalogError, DuplicateItemError
+from ..engine.base.liveness import process_start_time
 from ..kernels.nvtx import nvtx_range
 from ..kernels.step_table import StepTable
 from .compat import (
@@ -112,7 +112,7 @@ class SchedulerSide:
         self._loading: dict[str, int] = {}
         self._load_nbytes: dict[str, int] = {}  # shipped load -> its bytes (for the counters)
         self._writing: dict[str, tuple[int, int]] = {}  # shipped save -> (nbytes, generation)
-        self._reported: dict[str, int] = {}
+        self._reported: dict[str, int | float] = {}
 
     def has_cache_item(self, identifier: str) -> bool:
         if not self.consumer:
@@ -334,7 +334,7 @@ class SchedulerSide:
         and loaded...; ``evictions`` counts the whole shared arena's) and the
         arena's occupancy and populate progress now (:data:`~.stats.GAUGES`)."""
         catalog = self.catalog.stats()
-        counts = {name: self._counts.get(name, 0) for name in COUNTERS}
+        counts: dict[str, int | float] = {name: self._counts.get(name, 0) for name in COUNTERS}
         counts.update(
             hits=self.catalog.local.hits,
             misses=self.catalog.local.misses,

@@ -2,7 +2,7 @@
 
 One file per (arena_name, arena_dir): the scheduler and workers of an instance,
 data-parallel ranks and other instances of the same model all open it, and the
-catalog in its metadata region (:class:`~ecoffload.engine.shared_catalog.SharedCatalog`)
+catalog in its metadata region (:class:`~ecoffload.engine.catalog.shared.catalog.SharedCatalog`)
 is their one cache. The default name is derived from the layout key, so
 instances of one model share by default and other models never meet.
 """
@@ -14,8 +14,8 @@ import json
 from typing import Any
 
 from ..engine import shared_cache
-from ..engine.arena import Arena, RegisterMode
-from ..engine.shared_catalog import SharedCatalog
+from ..engine.arena.arena import Arena, RegisterMode
+from ..engine.catalog.shared.catalog import SharedCatalog
 from .config import OffloadConfig
 
 

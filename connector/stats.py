@@ -78,7 +78,9 @@ class ECOffloadStats(ECConnectorStats):
         )
 
 
-def delta(now: dict[str, int], reported: dict[str, int]) -> dict[str, int]:
+def delta(
+    now: dict[str, int | float], reported: dict[str, int | float]
+) -> dict[str, int | float]:
     """What changed since ``reported`` (updated in place to ``now``): counter
     increments and new gauge values."""
     changed = {}

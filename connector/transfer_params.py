@@ -38,8 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.errors import RemoteError
-from ..engine.remote import PeerCard, split_metadata
+from ..engine.base.errors import RemoteError
+from ..engine.remote.peer import PeerCard, split_metadata
 
 FORMAT = 2
 MAX_PEER_BYTES = 64 << 10  # a peer's metadata inflates to ~600 bytes; refuse bombs

@@ -33,8 +33,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..engine.errors import ArenaError, CatalogError
-from ..engine.items import dtype_from_name, dtype_name, item_crc32
+from ..engine.base.errors import ArenaError, CatalogError
+from ..engine.base.items import dtype_from_name, dtype_name, item_crc32
 from ..engine.transfer import BlockMover, Completion, split_completed
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG
 from .compat import is_writer_rank, worker_device
@@ -84,7 +84,7 @@ class WorkerSide:
         self._publish_in_step = config.nixl is not None and self.writes
         self._pending_loads: list[tuple[Completion, list[str]]] = []
         self._counts: Counter[str] = Counter()
-        self._reported: dict[str, int] = {}
+        self._reported: dict[str, int | float] = {}
 
     def bind_connector_metadata(self, metadata: ECOffloadMetadata) -> None:
         if metadata.arena != self.arena.nonce:

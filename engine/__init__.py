@@ -10,9 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .allocator import BlockAllocator, Extent
-from .catalog import Catalog, CatalogStats, Entry, ItemState
-from .errors import (
+from .base.errors import (
     ArenaAttachTimeout,
     ArenaError,
     ArenaExistsError,
@@ -31,18 +29,20 @@ from .errors import (
     RemotePeerError,
     UnknownItemError,
 )
-from .sizes import format_bytes, parse_bytes
+from .base.sizes import format_bytes, parse_bytes
+from .catalog.allocator import BlockAllocator, Extent
+from .catalog.catalog import Catalog, CatalogStats, Entry, ItemState
 
 _LAZY = {
-    "ANY_LAYOUT": ".arena",
-    "Arena": ".arena",
-    "ArenaPeer": ".remote",
+    "ANY_LAYOUT": ".arena.arena",
+    "Arena": ".arena.arena",
+    "ArenaPeer": ".remote.peer",
     "BlockMover": ".transfer",
     "Completion": ".transfer",
     "OffloadCache": ".cache",
-    "PeerCard": ".remote",
-    "Pull": ".remote",
-    "PullHandle": ".remote",
+    "PeerCard": ".remote.peer",
+    "Pull": ".remote.peer",
+    "PullHandle": ".remote.peer",
     "SaveResult": ".cache",
 }
 

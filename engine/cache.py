@@ -16,7 +16,7 @@ Saved items become visible (``ready``) only after their copy has completed:
 ``flush`` poll first. A partially written item is never served.
 
 Shared mode (``shared=True``): the catalog lives in the arena file
-(:class:`~ecoffload.engine.shared_catalog.SharedCatalog`), the arena is created
+(:class:`~ecoffload.engine.catalog.shared.catalog.SharedCatalog`), the arena is created
 or attached by name, and every OffloadCache opened on the same name, in any
 process, sees the same items::
 
@@ -53,15 +53,15 @@ import torch
 from ..kernels import native
 from ..kernels.nvtx import nvtx_range
 from ..kernels.step_table import StepTable
-from .allocator import BlockAllocator
-from .arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
-from .catalog import Catalog, CatalogStats
-from .catalog_protocol import CatalogProtocol
-from .errors import DuplicateItemError, ItemStateError, UnknownItemError
-from .items import dtype_from_name, dtype_name, item_crc32
+from .arena.arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
+from .base.errors import DuplicateItemError, ItemStateError, UnknownItemError
+from .base.items import dtype_from_name, dtype_name, item_crc32
+from .base.sizes import parse_bytes
+from .catalog.allocator import BlockAllocator
+from .catalog.catalog import Catalog, CatalogStats
+from .catalog.protocol import CatalogProtocol
+from .catalog.shared.catalog import SharedCatalog
 from .shared_cache import open_catalog, open_shared_arena
-from .shared_catalog import SharedCatalog
-from .sizes import parse_bytes
 from .transfer import BlockMover, Completion, split_completed
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class OffloadCache:
         """A new cache over a new arena of (at most) ``arena_bytes`` bytes.
 
         ``populate="background"`` returns at once; saves use the blocks populated
-        so far (see :class:`~ecoffload.engine.arena.Arena`).
+        so far (see :class:`~ecoffload.engine.arena.arena.Arena`).
 
         ``shared=True``: create the arena, or join the one another cache opened
         under this name (same block size and layout key; the first one decides

@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from .arena import Arena
-from .arena_format import PopulateMode, RegisterMode
-from .shared_catalog import SharedCatalog, meta_bytes
+from .arena.arena import Arena
+from .arena.format import PopulateMode, RegisterMode
+from .catalog.shared.catalog import SharedCatalog, meta_bytes
 
 log = logging.getLogger(__name__)
 

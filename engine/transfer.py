@@ -53,7 +53,7 @@ from ..kernels import (
 )
 from ..kernels.nvtx import nvtx_range
 from ..kernels.step_table import StepTable
-from .arena import Arena
+from .arena.arena import Arena
 
 Extents = Sequence[tuple[int, int]]
 Tables = Sequence[Extents] | StepTable  # per-item tables, or one step's int64 arrays

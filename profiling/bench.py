@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..engine.arena import Arena
-from ..engine.sizes import format_bytes
+from ..engine.arena.arena import Arena
+from ..engine.base.sizes import format_bytes
 from ..engine.transfer import BlockMover
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig, plan_batch
 from ..kernels.block_copy import launch_block_copy

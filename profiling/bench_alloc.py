@@ -28,8 +28,8 @@ import threading
 import time
 
 from ..engine import shared_catalog
-from ..engine.allocator import BlockAllocator
-from ..engine.catalog import Catalog
+from ..engine.catalog.allocator import BlockAllocator
+from ..engine.catalog.catalog import Catalog
 
 
 class FreeListAllocator:

@@ -14,7 +14,7 @@ one memcpy of the request's total bytes. Every path's result is checked
 bit-exact against the producer's bytes. The producer's own per-request cost,
 also measured here on the same requests: copying the items from the arena into
 an export window when it announces them, and zeroing the slots when the lease
-ends (:class:`~ecoffload.engine.export_window.ExportWindow` ``put`` + ``release``).
+ends (:class:`~ecoffload.engine.remote.export_window.ExportWindow` ``put`` + ``release``).
 
 Requests: 16 items x 1 MiB (each one extent on both sides; and the same with
 the consumer's blocks scattered, 256 single-block extents) and 1 item x 64 MiB.
@@ -38,10 +38,10 @@ import time
 
 import torch
 
-from ..engine.arena import Arena
-from ..engine.export_window import ExportWindow
-from ..engine.nixl_setup import load_nixl
-from ..engine.remote import ArenaPeer, Pull, _pieces
+from ..engine.arena.arena import Arena
+from ..engine.remote.export_window import ExportWindow
+from ..engine.remote.nixl_setup import load_nixl
+from ..engine.remote.peer import ArenaPeer, Pull, _pieces
 from .remote_producer import fill_arena
 
 BLOCK = 64 << 10

@@ -23,8 +23,8 @@ import time
 
 import torch
 
+from ..engine.base.sizes import format_bytes, parse_bytes
 from ..engine.cache import OffloadCache
-from ..engine.sizes import format_bytes, parse_bytes
 
 _SPARE = 1 << 30
 
@@ -60,7 +60,7 @@ def run_once(size: int, mode: str, directory: str, item: torch.Tensor) -> tuple[
 
 
 def populate_threads(size: int) -> int:
-    from ..engine.populate import PARALLEL_POPULATE_BYTES
+    from ..engine.arena.populate import PARALLEL_POPULATE_BYTES
 
     return 1 if size < PARALLEL_POPULATE_BYTES else min(8, os.cpu_count() or 1)
 

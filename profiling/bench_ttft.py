@@ -44,7 +44,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..engine.sizes import format_bytes
+from ..engine.base.sizes import format_bytes
 from .tiny_vlm import PRESETS, build_tiny_paligemma, geometry, image_token_id
 from .vllm_scenario import ec_transfer_config, make_images
 from .vllm_serve import (

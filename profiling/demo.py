@@ -24,7 +24,7 @@ import argparse
 import importlib.util
 import statistics
 
-from ..engine.sizes import format_bytes
+from ..engine.base.sizes import format_bytes
 from . import bench_ttft, engine_demo, vllm_scenario
 from .tiny_vlm import PRESETS
 

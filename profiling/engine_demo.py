@@ -22,8 +22,8 @@ import time
 
 import torch
 
+from ..engine.base.sizes import format_bytes
 from ..engine.cache import OffloadCache
-from ..engine.sizes import format_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

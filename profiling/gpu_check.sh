@@ -173,7 +173,7 @@ log "pytest exit status $pytest_rc"
 timeout 60 "$py" - "$out/arena.json" <<'EOF' 2>&1 | tee -a "$out/gpu_check.log"
 import json, os, sys, tempfile, time
 import torch
-from ecoffload.engine.arena import Arena
+from ecoffload.engine.arena.arena import Arena
 from ecoffload.engine.transfer import BlockMover
 info = {"cuda": torch.cuda.is_available(), "attempts": []}
 for directory in ("/dev/shm", tempfile.gettempdir()):

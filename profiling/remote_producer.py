@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from ..engine.arena import Arena
-from ..engine.remote import ArenaPeer
+from ..engine.arena.arena import Arena
+from ..engine.remote.peer import ArenaPeer
 
 
 def fill_arena(host: torch.Tensor, seed: int) -> None:

@@ -40,8 +40,8 @@ CONNECTOR_TESTS = [
     # the scheduler while the arena is still populating (reservations wait for ready blocks)
     "tests/test_arena_startup.py::test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness",
 ]
-ARENA_MODULES = ("arena", "arena_format", "arena_lifetime", "arena_registration", "populate",
-                 "janitor")  # fmt: skip
+ARENA_MODULES = ("arena/arena", "arena/format", "arena/lifetime", "arena/registration",
+                 "arena/populate", "arena/janitor")  # fmt: skip
 ARENA_FILES = [
     "tests/test_arena_format.py",
     "tests/test_arena_lifetime.py",
@@ -61,35 +61,36 @@ ARENA_SLOW: dict[str, tuple[str, ...]] = {
     "test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness": (),
     "tests/test_arena_shared.py::"
     "test_a_later_instance_joins_the_file_the_creator_left_to_another": (
-        "arena_lifetime",),  # 12 s
+        "arena/lifetime",),  # 12 s
     "tests/test_arena_shared.py::test_a_persistent_file_outlives_its_holders_and_is_warm_started": (
-        "arena_lifetime",),  # 9 s
+        "arena/lifetime",),  # 9 s
     "tests/test_arena_shared.py::"
     "test_open_shared_refuses_an_arena_of_the_other_lifetime_and_attach_never_reclaims": (
-        "arena_lifetime",),  # 9 s
-    "tests/test_arena.py::test_one_catalog_owner_per_arena": ("arena_lifetime",),  # 8 s
+        "arena/lifetime",),  # 9 s
+    "tests/test_arena.py::test_one_catalog_owner_per_arena": ("arena/lifetime",),  # 8 s
     "tests/test_arena_shared.py::"
     "test_holders_that_all_die_leave_nothing_the_janitor_removes_the_name": (
-        "arena_lifetime",),  # 6 s
-    "tests/test_arena.py::test_second_process_attaches_writes_and_is_read_back": ("arena",),  # 6 s
+        "arena/lifetime",),  # 6 s
+    "tests/test_arena.py::test_second_process_attaches_writes_and_is_read_back": (
+        "arena/arena",),  # 6 s
     "tests/test_arena.py::test_attach_waits_for_a_creator_that_starts_later": (
-        "arena", "arena_format"),  # 6 s
+        "arena/arena", "arena/format"),  # 6 s
     "tests/test_arena_shared.py::"
     "test_a_persistent_arena_whose_populator_died_alone_resumes_at_warm_start": (
-        "arena_lifetime", "populate"),  # 5 s
+        "arena/lifetime", "arena/populate"),  # 5 s
     "tests/test_arena_startup.py::"
     "test_creator_killed_mid_populate_leaves_a_stale_file_that_is_reclaimed": (
-        "arena", "arena_format"),  # 4 s
+        "arena/arena", "arena/format"),  # 4 s
     "tests/test_arena.py::test_stale_arena_of_a_dead_creator_is_refused_then_reclaimed": (
-        "arena", "arena_format"),  # 4 s
+        "arena/arena", "arena/format"),  # 4 s
     "tests/test_arena_shared.py::test_a_file_left_with_its_janitor_killed_too_is_reclaimed": (
-        "arena_lifetime",),  # 4 s
+        "arena/lifetime",),  # 4 s
     "tests/test_arena_shared.py::test_a_dead_populator_is_resumed_by_the_next_opener": (
-        "arena_lifetime", "populate"),  # 4 s
+        "arena/lifetime", "arena/populate"),  # 4 s
     "tests/test_arena_startup.py::test_registration_follows_the_ready_prefix_chunk_by_chunk": (
-        "arena_registration",),  # 1.6 s
+        "arena/registration",),  # 1.6 s
     "tests/test_arena_startup.py::test_cache_saves_only_into_ready_blocks": (
-        "populate", "arena"),  # 1.2 s
+        "arena/populate", "arena/arena"),  # 1.2 s
 }  # fmt: skip
 # random headers against attach's checks (3 s): the header format's and attach's own
 ARENA_FUZZ = "tests/test_fuzz_parsers.py::test_any_arena_header_attaches_or_raises_arena_error"
@@ -100,7 +101,7 @@ def arena_tests(name: str, files: list[str] = ARENA_FILES) -> list[str]:
     deselect = [
         t for t, keep in ARENA_SLOW.items() if name not in keep and t.split("::")[0] in files
     ]
-    fuzz = [ARENA_FUZZ] if name in ("arena_format", "arena") else []
+    fuzz = [ARENA_FUZZ] if name in ("arena/format", "arena/arena") else []
     return files + fuzz + [arg for t in deselect for arg in ("--deselect", t)]
 
 
@@ -110,7 +111,7 @@ def arena_tests(name: str, files: list[str] = ARENA_FILES) -> list[str]:
 # (no shared-lifetime arena opened in the test process); start_janitor has no tests
 # there and is measured by APPLIED below.
 JANITOR_TESTS = arena_tests(
-    "janitor",
+    "arena/janitor",
     ["tests/test_janitor.py",
      *(f for f in ARENA_FILES if not f.endswith(("arena_shared.py", "arena_lifetime.py")))],
 )  # fmt: skip
@@ -121,7 +122,7 @@ JANITOR_TESTS = arena_tests(
 # apply``: the module as it would ship with that one change) and these tests run
 # against it, fastest first, stopping at the first failure; the copy is restored after.
 APPLIED: dict[str, tuple[tuple[str, ...], list[str]]] = {
-    "engine/janitor.py": (
+    "engine/arena/janitor.py": (
         ("start_janitor",),
         ["tests/test_janitor.py", "tests/test_arena_lifetime.py", "tests/test_arena_shared.py"],
     ),
@@ -130,9 +131,11 @@ APPLIED_TIMEOUT = 300  # seconds for one mutant's tests (a clean run takes ~30 s
 
 
 SHARED_CATALOG_MODULES = (
-    "shared_catalog", "shared_catalog_format", "shared_catalog_lock", "shared_catalog_region",
-    "shared_catalog_reads", "shared_catalog_pins", "shared_catalog_lru",
-    "shared_catalog_extents", "shared_catalog_recovery", "shared_catalog_check", "robust_mutex",
+    "catalog/shared/catalog", "catalog/shared/format", "catalog/shared/lock",
+    "catalog/shared/region",
+    "catalog/shared/reads", "catalog/shared/pins", "catalog/shared/lru",
+    "catalog/shared/extents", "catalog/shared/recovery", "catalog/shared/check",
+    "catalog/shared/robust_mutex",
 )  # fmt: skip
 SHARED_CATALOG_FILES = [
     "tests/test_catalog.py",
@@ -154,15 +157,15 @@ SHARED_CATALOG_FILES = [
 SHARED_CATALOG_SLOW: dict[str, tuple[str, ...]] = {
     "tests/test_shared_catalog.py::test_reserve_write_commit_and_lookup_in_three_processes": (),
     "tests/test_shared_catalog.py::test_entries_name_the_process_that_produced_them": (
-        "shared_catalog_reads",),
+        "catalog/shared/reads",),
     "tests/test_shared_catalog.py::test_dead_process_reservations_and_pins_are_released": (
-        "shared_catalog_recovery",),
+        "catalog/shared/recovery",),
     "tests/test_shared_catalog_lock.py::"
     "test_a_persistent_arena_whose_holder_died_holding_the_lock_is_warm_started": (
-        "shared_catalog_lock", "shared_catalog_recovery", "robust_mutex"),
+        "catalog/shared/lock", "catalog/shared/recovery", "catalog/shared/robust_mutex"),
     "tests/test_shared_catalog_lock.py::"
     "test_a_long_wait_for_the_lock_sleeps_in_slices_and_warns_once_naming_the_file": (
-        "shared_catalog_lock",),
+        "catalog/shared/lock",),
 }  # fmt: skip
 
 
@@ -189,12 +192,12 @@ MODULES: dict[str, list[str]] = {
         "tests/test_plan_native.py",
         "tests/test_kernel_variants.py",
     ],
-    "engine/allocator.py": [
+    "engine/catalog/allocator.py": [
         "tests/test_allocator.py",
         "tests/test_catalog.py",
         "tests/test_catalog_stateful.py",
     ],
-    "engine/catalog.py": [
+    "engine/catalog/catalog.py": [
         "tests/test_catalog.py",
         "tests/test_catalog_stateful.py",
         "tests/test_cache.py",
@@ -213,21 +216,28 @@ MODULES: dict[str, list[str]] = {
     "connector/worker_side.py": CONNECTOR_TESTS,
     # the modules of issue 22's split (arena.py, shared_catalog.py before it)
     **{f"engine/{name}.py": arena_tests(name) for name in ARENA_MODULES},
-    "engine/janitor.py": JANITOR_TESTS,
+    "engine/arena/janitor.py": JANITOR_TESTS,
     **{f"engine/{name}.py": shared_catalog_tests(name) for name in SHARED_CATALOG_MODULES},
     # opening a region: its own tests (4 s: descriptors counted after gc), then the list
-    "engine/shared_catalog_region.py": [
+    "engine/catalog/shared/region.py": [
         "tests/test_shared_catalog_region.py",
-        *shared_catalog_tests("shared_catalog_region"),
+        *shared_catalog_tests("catalog/shared/region"),
     ],
     # the binding, made once at import (no mutant of it runs otherwise), then the locking
-    "engine/robust_mutex.py": ["tests/test_robust_mutex.py", *shared_catalog_tests("robust_mutex")],
+    "engine/catalog/shared/robust_mutex.py": [
+        "tests/test_robust_mutex.py",
+        *shared_catalog_tests("catalog/shared/robust_mutex"),
+    ],
     # owners' liveness: its own tests, and the shared catalog dropping a dead process's pins
-    "engine/liveness.py": [
+    "engine/base/liveness.py": [
         "tests/test_liveness.py",
         "tests/test_shared_catalog.py::test_dead_process_reservations_and_pins_are_released",
     ],
-    "engine/items.py": ["tests/test_items.py", "tests/test_catalog.py", "tests/test_integrity.py"],
+    "engine/base/items.py": [
+        "tests/test_items.py",
+        "tests/test_catalog.py",
+        "tests/test_integrity.py",
+    ],
     "engine/shared_cache.py": ["tests/test_cache.py", "tests/test_connector_contract.py"],
 }
 # mutmut stops a mutant's tests after (t + constant) * multiplier seconds of wall time
@@ -242,7 +252,7 @@ ARENA_TIMEOUT = "timeout_multiplier = 5.0\ntimeout_constant = 10.0\n"
 ARENA_FAMILY = {f"engine/{name}.py" for name in (*ARENA_MODULES, "shared_cache")}
 # The shared catalog's recovery too: nearly every listed test rebuilds a catalog (t ~ 12 s
 # with its two slow tests), so a mutant looping in _recover held 15 * (t + 1) ~ 195 s.
-SHORTER_TIMEOUT = ARENA_FAMILY | {"engine/shared_catalog_recovery.py"}
+SHORTER_TIMEOUT = ARENA_FAMILY | {"engine/catalog/shared/recovery.py"}
 KILLED = {1, 3}
 TIMEOUT = {-24, 24, 36, 152, 255, -9}  # the CPU-time limit (SIGXCPU, then SIGKILL): loops or stalls
 CRASHED = {-11}  # the test process segfaulted on the mutant (e.g. a kernel reading out of bounds)

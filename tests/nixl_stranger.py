@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from ecoffload.engine.nixl_setup import load_nixl
+from ecoffload.engine.remote.nixl_setup import load_nixl
 
 FORGED = bytes(range(0xE0, 0xF0))  # 16 bytes the victim's arena never holds
 

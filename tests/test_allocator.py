@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from ecoffload.engine.allocator import BlockAllocator, Extent
-from ecoffload.engine.errors import InvalidSizeError, ItemTooLargeError
+from ecoffload.engine.base.errors import InvalidSizeError, ItemTooLargeError
+from ecoffload.engine.catalog.allocator import BlockAllocator, Extent
 
 B = 4096
 

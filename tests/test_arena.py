@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ecoffload.engine import arena as arena_mod
-from ecoffload.engine import arena_format
-from ecoffload.engine import populate as populate_mod
-from ecoffload.engine.arena import ANY_LAYOUT, HEADER_BYTES, Arena, layout_key_text
-from ecoffload.engine.errors import (
+from ecoffload.engine.arena import arena as arena_mod
+from ecoffload.engine.arena import format as arena_format
+from ecoffload.engine.arena import populate as populate_mod
+from ecoffload.engine.arena.arena import ANY_LAYOUT, HEADER_BYTES, Arena, layout_key_text
+from ecoffload.engine.base.errors import (
     ArenaAttachTimeout,
     ArenaError,
     ArenaExistsError,
@@ -184,7 +184,7 @@ def test_populate_falls_back_without_madvise_support(arena_dir, monkeypatch):
 def test_populate_in_parallel_logs_progress(arena_dir, monkeypatch, caplog):
     monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", 8 * B)
     with (
-        caplog.at_level(logging.INFO, logger="ecoffload.engine.arena"),
+        caplog.at_level(logging.INFO, logger="ecoffload.engine.arena.arena"),
         create(arena_dir, num_blocks=64, populate_threads=2),
     ):
         pass

@@ -1,4 +1,4 @@
-"""The arena file's format and an opener's checks (engine/arena_format.py), called
+"""The arena file's format and an opener's checks (engine/arena/format.py), called
 directly: each refusal's whole message (what was expected, what was found, what to
 do), and the limits of what a header may say.
 
@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from ecoffload.engine import arena_format
-from ecoffload.engine.arena_format import (
+from ecoffload.engine.arena import format as arena_format
+from ecoffload.engine.arena.format import (
     ANY_LAYOUT,
     FORMAT_VERSION,
     HEADER,
@@ -24,7 +24,7 @@ from ecoffload.engine.arena_format import (
     check_header,
     wait_for_header,
 )
-from ecoffload.engine.errors import (
+from ecoffload.engine.base.errors import (
     ArenaAttachTimeout,
     ArenaError,
     ArenaLayoutMismatch,

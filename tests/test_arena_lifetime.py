@@ -1,4 +1,4 @@
-"""Shared lifetime (engine/arena_lifetime.py) within one process: each refusal and
+"""Shared lifetime (engine/arena/lifetime.py) within one process: each refusal and
 each log line whole, the catalog owner's claim against a live owner and a reused pid, a
 reclaimed leftover and a resumed populate made by rewriting a kept file's header.
 
@@ -19,16 +19,17 @@ import threading
 import pytest
 import torch
 
-from ecoffload.engine import arena_format, populate
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.arena_format import ANY_LAYOUT, OWNER, OWNER_OFFSET
-from ecoffload.engine.errors import ArenaAttachTimeout, ArenaError
-from ecoffload.engine.janitor import ofd_lock as janitor_lock
-from ecoffload.engine.liveness import process_start_time
+from ecoffload.engine.arena import format as arena_format
+from ecoffload.engine.arena import populate
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.arena.format import ANY_LAYOUT, OWNER, OWNER_OFFSET
+from ecoffload.engine.arena.janitor import ofd_lock as janitor_lock
+from ecoffload.engine.base.errors import ArenaAttachTimeout, ArenaError
+from ecoffload.engine.base.liveness import process_start_time
 
 B = 4096
 KEY = {"model": "tiny"}
-LOG = "ecoffload.engine.arena"
+LOG = "ecoffload.engine.arena.arena"
 
 
 def open_shared(arena_dir, name="s", **kw) -> Arena:

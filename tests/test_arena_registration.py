@@ -1,4 +1,4 @@
-"""CUDA host registration following the ready prefix (engine/arena_registration.py)
+"""CUDA host registration following the ready prefix (engine/arena/registration.py)
 on a CPU host: the registrar's spans against a recording registration, its thread,
 and an arena whose registration cannot start (CUDA made to look available, CuPy
 missing: the real failure of a host without the cuda extra).
@@ -15,13 +15,13 @@ import time
 import pytest
 import torch
 
-from ecoffload.engine import populate
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.arena_registration import Registrar
-from ecoffload.engine.errors import ArenaError
+from ecoffload.engine.arena import populate
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.arena.registration import Registrar
+from ecoffload.engine.base.errors import ArenaError
 
 C = 4096  # a populate chunk in these tests
-LOG = "ecoffload.engine.arena"
+LOG = "ecoffload.engine.arena.arena"
 
 
 class Recording:

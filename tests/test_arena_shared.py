@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
-from ecoffload.engine import arena as arena_mod
-from ecoffload.engine import arena_format
-from ecoffload.engine import janitor as janitor_mod
-from ecoffload.engine import populate as populate_mod
-from ecoffload.engine.arena import HEADER_BYTES, Arena
-from ecoffload.engine.errors import ArenaAttachTimeout, ArenaError, ArenaLayoutMismatch
+from ecoffload.engine.arena import arena as arena_mod
+from ecoffload.engine.arena import format as arena_format
+from ecoffload.engine.arena import janitor as janitor_mod
+from ecoffload.engine.arena import populate as populate_mod
+from ecoffload.engine.arena.arena import HEADER_BYTES, Arena
+from ecoffload.engine.base.errors import ArenaAttachTimeout, ArenaError, ArenaLayoutMismatch
 
 B = 4096
 KEY = {"model": "tiny", "dtype": "bfloat16"}

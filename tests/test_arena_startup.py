@@ -19,20 +19,20 @@ import types
 import pytest
 import torch
 
-from ecoffload.engine import arena as arena_mod
-from ecoffload.engine import arena_registration as registration_mod
-from ecoffload.engine import populate as populate_mod
 from ecoffload.engine import transfer as transfer_mod
-from ecoffload.engine.allocator import BlockAllocator, Extent
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.cache import OffloadCache
-from ecoffload.engine.catalog import Catalog
-from ecoffload.engine.errors import (
+from ecoffload.engine.arena import arena as arena_mod
+from ecoffload.engine.arena import populate as populate_mod
+from ecoffload.engine.arena import registration as registration_mod
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.base.errors import (
     ArenaAttachTimeout,
     ArenaError,
     ArenaStaleError,
     InvalidSizeError,
 )
+from ecoffload.engine.cache import OffloadCache
+from ecoffload.engine.catalog.allocator import BlockAllocator, Extent
+from ecoffload.engine.catalog.catalog import Catalog
 from ecoffload.engine.transfer import BlockMover
 
 B = 4096
@@ -197,7 +197,7 @@ def test_progress_is_logged_with_percent_rate_and_eta(
     slow_populate(0.005)
     monkeypatch.setattr(populate_mod, "PROGRESS_EVERY_S", 0.0)
     with (
-        caplog.at_level(logging.INFO, logger="ecoffload.engine.arena"),
+        caplog.at_level(logging.INFO, logger="ecoffload.engine.arena.arena"),
         create(arena_dir, populate="background") as a,
     ):
         assert a.wait_ready(10)
@@ -219,7 +219,7 @@ def test_a_populate_failure_stops_at_the_ready_prefix_and_says_so(arena_dir, mon
 
     monkeypatch.setattr(populate_mod, "prefault", fail_third)
     with (
-        caplog.at_level(logging.ERROR, logger="ecoffload.engine.arena"),
+        caplog.at_level(logging.ERROR, logger="ecoffload.engine.arena.arena"),
         create(arena_dir, populate="background", populate_threads=1) as a,
     ):
         assert not a.wait_ready(5)  # never complete...
@@ -335,7 +335,7 @@ ALIAS = torch.empty(0, dtype=torch.uint8)  # stands for the CUDA alias (never to
 def fake_cupy(monkeypatch):
     """A CuPy whose runtime records registrations; CUDA looks available; the alias
     is a placeholder (``alias_fails``: building it raises)."""
-    from ecoffload.engine import cuda_host
+    from ecoffload.engine.arena import cuda_host
 
     def install(fail_offsets=(), alias_fails=False):
         runtime = FakeRuntime(fail_offsets)
@@ -385,7 +385,7 @@ def test_a_failed_chunk_stays_host_only_with_one_warning(arena_dir, fake_cupy, m
     monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
     monkeypatch.setattr(registration_mod, "REGISTER_SPAN", CHUNK)
     with (
-        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
+        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena.arena"),
         create(arena_dir, num_blocks=16, populate="lazy", register_cuda="auto") as a,
     ):
         assert a.wait_ready(10)
@@ -430,7 +430,7 @@ def test_mover_copies_unregistered_blocks_through_host_memory(arena_dir, fake_cu
 
 def test_populate_config_key_is_validated(arena_dir):
     from ecoffload.connector.config import OffloadConfig
-    from ecoffload.engine.errors import ConfigError
+    from ecoffload.engine.base.errors import ConfigError
 
     base = {"arena_dir": arena_dir, "arena_bytes": "1MiB"}
     assert OffloadConfig.from_extra_config(base, default_name="e").populate == "background"
@@ -523,7 +523,7 @@ def test_no_device_alias_means_host_copies_and_one_warning(
     runtime = fake_cupy(alias_fails=True)
     monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
     with (
-        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
+        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena.arena"),
         create(arena_dir, num_blocks=16, populate=populate, register_cuda="auto") as a,
     ):
         assert a.wait_ready(10)
@@ -762,7 +762,7 @@ def test_always_registers_before_create_returns_even_with_a_background_populate(
 def test_the_registrar_thread_aliases_the_device_current_where_the_arena_was_opened(
     arena_dir, fake_cupy, monkeypatch
 ):
-    from ecoffload.engine import cuda_host
+    from ecoffload.engine.arena import cuda_host
 
     fake_cupy()
     main = threading.main_thread()  # CUDA's current device is per thread: 0 in a new one
@@ -834,11 +834,11 @@ def test_always_raises_the_first_failed_span_s_error_and_auto_keeps_the_rest(
     with open("/proc/self/maps") as maps:  # the error kept here: unmapped all the same
         assert path not in maps.read()
     with (
-        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
+        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena.arena"),
         create(arena_dir, num_blocks=16, populate="eager", register_cuda="auto") as a,
     ):
         assert a.registered and a.registered_fraction == 0.75
-    assert [r.getMessage() for r in caplog.records if r.name == "ecoffload.engine.arena"
+    assert [r.getMessage() for r in caplog.records if r.name == "ecoffload.engine.arena.arena"
             and r.levelno == logging.WARNING] == 2 * [  # one a create, nothing else
         f"arena {path}: CUDA host registration failed for bytes [{CHUNK}, {2 * CHUNK}) "
         "(cudaErrorHostMemoryAlreadyRegistered (simulated)); copies of blocks there fall "

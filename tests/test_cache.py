@@ -7,9 +7,9 @@ import torch
 from copy_gate import CopyGate
 
 from ecoffload.engine import OffloadCache
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.catalog import ItemState
-from ecoffload.engine.errors import ItemStateError
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.base.errors import ItemStateError
+from ecoffload.engine.catalog.catalog import ItemState
 from ecoffload.engine.transfer import BlockMover
 
 B = 4096
@@ -303,7 +303,7 @@ def test_a_persistent_shared_cache_restarts_warm_and_drops_corrupted_items(arena
     import multiprocessing as mp
     import os
 
-    from ecoffload.engine.arena import Arena
+    from ecoffload.engine.arena.arena import Arena
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -358,7 +358,7 @@ def test_a_warm_start_says_what_verification_kept_and_dropped(arena_dir, caplog)
 def _slow_background_creator(arena_dir, created):
     import time
 
-    from ecoffload.engine import populate as populate_mod
+    from ecoffload.engine.arena import populate as populate_mod
 
     populate_mod.POPULATE_CHUNK = B  # one block per chunk, 0.3 s each: saves outpace it
     fault = populate_mod.prefault
@@ -417,7 +417,7 @@ def test_shared_background_populate_hands_out_ready_blocks_only_and_survives_its
 
 
 def test_a_warm_start_before_any_catalog_was_opened_formats_it_with_its_own_size(arena_dir):
-    from ecoffload.engine.errors import ArenaError
+    from ecoffload.engine.base.errors import ArenaError
     from ecoffload.engine.shared_cache import meta_bytes, open_catalog, open_shared_arena
 
     kw = dict(block_bytes=B, num_blocks=16, layout_key="m", directory=arena_dir,

@@ -1,4 +1,4 @@
-"""The catalog protocol (:class:`~ecoffload.engine.catalog_protocol.CatalogProtocol`),
+"""The catalog protocol (:class:`~ecoffload.engine.catalog.protocol.CatalogProtocol`),
 run against both implementations: the in-process :class:`Catalog` and the
 :class:`SharedCatalog` in a file's metadata region."""
 
@@ -7,17 +7,17 @@ import os
 
 import pytest
 
-from ecoffload.engine import shared_catalog
-from ecoffload.engine.allocator import BlockAllocator
-from ecoffload.engine.catalog import Catalog, ItemState
-from ecoffload.engine.catalog_protocol import CatalogProtocol
-from ecoffload.engine.errors import (
+from ecoffload.engine.base.errors import (
     DuplicateItemError,
     InvalidSizeError,
     ItemStateError,
     ItemTooLargeError,
     UnknownItemError,
 )
+from ecoffload.engine.catalog.allocator import BlockAllocator
+from ecoffload.engine.catalog.catalog import Catalog, ItemState
+from ecoffload.engine.catalog.protocol import CatalogProtocol
+from ecoffload.engine.catalog.shared import catalog as shared_catalog
 
 B = 4096
 
@@ -298,7 +298,7 @@ def test_nested_pins_release_the_blocks_once(make):
 def test_item_crc32_covers_every_extent_in_order_and_stops_at_the_item_s_end():
     import zlib
 
-    from ecoffload.engine.items import item_crc32
+    from ecoffload.engine.base.items import item_crc32
 
     block = 16
     data = bytearray(range(256)) * 2  # 32 blocks; bytes past an item's end are not zero

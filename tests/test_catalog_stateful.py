@@ -31,9 +31,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from ecoffload.engine.allocator import BlockAllocator
-from ecoffload.engine.catalog import Catalog, ItemState
-from ecoffload.engine.errors import CatalogError
+from ecoffload.engine.base.errors import CatalogError
+from ecoffload.engine.catalog.allocator import BlockAllocator
+from ecoffload.engine.catalog.catalog import Catalog, ItemState
 
 B = 4096
 NUM_BLOCKS = 32

@@ -13,7 +13,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm_harness import connector, make_config, make_request, schedule, send_report, via_pickle
 
 from ecoffload.connector.metadata import ECOffloadWorkerMetadata
-from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.catalog.catalog import ItemState
 
 ROUND_TRIPS = ("lookup", "entry", "state", "pin", "unpin", "pin_many", "unpin_many", "reserve")
 

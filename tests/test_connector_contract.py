@@ -37,8 +37,8 @@ from ecoffload.connector import ECOffloadConnector, compat
 from ecoffload.connector.metadata import ECOffloadWorkerMetadata
 from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.connector.stats import ECOffloadStats
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.errors import ArenaError, ConfigError
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.base.errors import ArenaError, ConfigError
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from vllm_harness import (
     worker_step,
 )
 
-from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.catalog.catalog import ItemState
 
 
 @pytest.fixture

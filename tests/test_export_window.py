@@ -1,4 +1,4 @@
-"""engine/export_window.py: the copies a producer exposes instead of its arena.
+"""engine/remote/export_window.py: the copies a producer exposes instead of its arena.
 
 Seeded items of odd sizes, fragmented in the source, are copied into the
 window and compared bit-for-bit with the source stream; every byte of the
@@ -10,8 +10,8 @@ slot.
 import numpy as np
 import pytest
 
-from ecoffload.engine.errors import InvalidSizeError
-from ecoffload.engine.export_window import ExportWindow
+from ecoffload.engine.base.errors import InvalidSizeError
+from ecoffload.engine.remote.export_window import ExportWindow
 
 BB = 4096
 

@@ -17,11 +17,11 @@ import torch
 from copy_gate import CopyGate
 
 from ecoffload.engine import OffloadCache
-from ecoffload.engine import arena as arena_mod
-from ecoffload.engine.allocator import BlockAllocator
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.catalog import Catalog, ItemState
-from ecoffload.engine.errors import ArenaError
+from ecoffload.engine.arena import arena as arena_mod
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.base.errors import ArenaError
+from ecoffload.engine.catalog.allocator import BlockAllocator
+from ecoffload.engine.catalog.catalog import Catalog, ItemState
 from ecoffload.engine.transfer import Completion, split_completed
 
 pytestmark = pytest.mark.slow
@@ -162,7 +162,7 @@ def test_creator_killed_leaves_no_file_and_restart_is_clean(arena_dir, all_attac
 
 
 def test_failed_cuda_registration_falls_back_with_one_warning(arena_dir, monkeypatch, caplog):
-    from ecoffload.engine import cuda_host
+    from ecoffload.engine.arena import cuda_host
 
     def refuse(*args, **kwargs):
         raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered (simulated)")
@@ -170,7 +170,7 @@ def test_failed_cuda_registration_falls_back_with_one_warning(arena_dir, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda_host, "HostRegistration", refuse)
     with (
-        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena"),
+        caplog.at_level(logging.WARNING, logger="ecoffload.engine.arena.arena"),
         Arena.create("reg", block_bytes=B, num_blocks=4, directory=arena_dir) as a,
     ):
         assert not a.registered and a.device is None  # host copies, never wrong data

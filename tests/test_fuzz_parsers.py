@@ -23,23 +23,23 @@ from hypothesis import Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from ecoffload.connector.config import DEFAULTS, OffloadConfig
-from ecoffload.engine import arena as arena_mod
-from ecoffload.engine import arena_format
-from ecoffload.engine.arena import (
+from ecoffload.engine.arena import arena as arena_mod
+from ecoffload.engine.arena import format as arena_format
+from ecoffload.engine.arena.arena import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAGIC,
     Arena,
     process_start_time,
 )
-from ecoffload.engine.errors import (
+from ecoffload.engine.base.errors import (
     ArenaAttachTimeout,
     ArenaError,
     ArenaLayoutMismatch,
     ArenaStaleError,
     ConfigError,
 )
-from ecoffload.engine.sizes import parse_bytes
+from ecoffload.engine.base.sizes import parse_bytes
 from ecoffload.kernels import PlanError, pack, plan_copy, unpack
 
 REACHED: Counter[str] = Counter()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ecoffload.engine import OffloadCache
-from ecoffload.engine.arena import Arena
+from ecoffload.engine.arena.arena import Arena
 from ecoffload.engine.transfer import BlockMover
 from ecoffload.kernels import (
     LaunchConfig,

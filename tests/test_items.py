@@ -1,11 +1,11 @@
-"""An item's dtype as a stored name and back (engine/items.py); its CRC-32 is
+"""An item's dtype as a stored name and back (engine/base/items.py); its CRC-32 is
 tested in test_catalog.py and test_integrity.py."""
 
 import pytest
 import torch
 
-from ecoffload.engine import items
-from ecoffload.engine.items import dtype_from_name, dtype_name
+from ecoffload.engine.base import items
+from ecoffload.engine.base.items import dtype_from_name, dtype_name
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.bool,
           torch.float8_e4m3fn]  # fmt: skip

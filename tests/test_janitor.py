@@ -1,4 +1,4 @@
-"""The janitor's parts (engine/janitor.py), one by one in this process: OFD locks on
+"""The janitor's parts (engine/arena/janitor.py), one by one in this process: OFD locks on
 single header bytes, "does this name still name that file", removing a name only
 if it does, and the janitor's wait-then-remove (in a thread here: the arena's
 tests run it as the process of its own it is in service); and the process
@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from ecoffload.engine import janitor
-from ecoffload.engine.janitor import names, ofd_lock, ofd_locked, unlink_if_inode
+from ecoffload.engine.arena import janitor
+from ecoffload.engine.arena.janitor import names, ofd_lock, ofd_locked, unlink_if_inode
 
 BYTE = 112
 

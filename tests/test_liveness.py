@@ -1,4 +1,4 @@
-"""Owners' liveness (engine/liveness.py): a process's start time read from /proc,
+"""Owners' liveness (engine/base/liveness.py): a process's start time read from /proc,
 whether a recorded (pid, start time) still runs, and this boot's id.
 
 The references are independent of the parsing under test: a child's start
@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from ecoffload.engine import liveness
-from ecoffload.engine.liveness import alive, boot_id, process_start_time
+from ecoffload.engine.base import liveness
+from ecoffload.engine.base.liveness import alive, boot_id, process_start_time
 
 
 def _uptime_ticks() -> float:

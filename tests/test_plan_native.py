@@ -20,8 +20,8 @@ import test_plan_vectorised as fragmented
 import torch
 from planners import require_native
 
-from ecoffload.engine.allocator import Extent
-from ecoffload.engine.arena import Arena
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.catalog.allocator import Extent
 from ecoffload.engine.transfer import BlockMover
 from ecoffload.kernels import PlanError, api, native, plan
 from ecoffload.kernels.plan import plan_copy

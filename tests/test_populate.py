@@ -1,4 +1,4 @@
-"""Populate (engine/populate.py) on a mapping of its own, without an arena: how a
+"""Populate (engine/arena/populate.py) on a mapping of its own, without an arena: how a
 data area is cut into chunks and threads, what a resumed populate starts from, the
 ready prefix it publishes, and what it says (progress, the end, a failure).
 
@@ -15,12 +15,13 @@ import threading
 
 import pytest
 
-from ecoffload.engine import arena_format, populate
-from ecoffload.engine.errors import ArenaError
-from ecoffload.engine.populate import PARALLEL_POPULATE_BYTES, Populator
+from ecoffload.engine.arena import format as arena_format
+from ecoffload.engine.arena import populate
+from ecoffload.engine.arena.populate import PARALLEL_POPULATE_BYTES, Populator
+from ecoffload.engine.base.errors import ArenaError
 
 P = mmap.PAGESIZE
-LOG = "ecoffload.engine.arena"
+LOG = "ecoffload.engine.arena.arena"
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""engine/remote.py: pulling items between arenas with NIXL.
+"""engine/remote/peer.py: pulling items between arenas with NIXL.
 
 The piece walk is checked against a byte-offset reference without NIXL. The
 transfers (skipped without NIXL: `pip install ecoffload[nixl]`) move seeded
@@ -24,15 +24,16 @@ import numpy as np
 import pytest
 import torch
 
-from ecoffload.engine import nixl_setup, remote
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.errors import (
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.base.errors import (
     NixlNotInstalledError,
     RemoteExtentError,
     RemotePeerError,
 )
-from ecoffload.engine.nixl_setup import nixl_available
-from ecoffload.engine.remote import ArenaPeer, PeerCard, Pull
+from ecoffload.engine.remote import nixl_setup
+from ecoffload.engine.remote import peer as remote
+from ecoffload.engine.remote.nixl_setup import nixl_available
+from ecoffload.engine.remote.peer import ArenaPeer, PeerCard, Pull
 from ecoffload.profiling.remote_producer import fill_arena
 
 needs_nixl = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The ctypes binding of the robust process-shared mutex (engine/robust_mutex.py).
+"""The ctypes binding of the robust process-shared mutex (engine/catalog/shared/robust_mutex.py).
 
 The binding is made once at import; these tests make it again and check what
 every declared call takes and returns, and let the real C library refuse an
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from ecoffload.engine import robust_mutex
-from ecoffload.engine.errors import CatalogLockError
+from ecoffload.engine.base.errors import CatalogLockError
+from ecoffload.engine.catalog.shared import robust_mutex
 
 VOID_P, INT = ctypes.c_void_p, ctypes.c_int
 DECLARED = {

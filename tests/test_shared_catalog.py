@@ -17,15 +17,8 @@ import zlib
 import pytest
 from test_catalog import B, open_shared
 
-from ecoffload.engine import (
-    fault_points,
-    shared_catalog,
-    shared_catalog_format,
-    shared_catalog_native,
-)
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.catalog import ItemState
-from ecoffload.engine.errors import (
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.base.errors import (
     ArenaLayoutMismatch,
     CatalogCapacityError,
     DuplicateItemError,
@@ -33,8 +26,13 @@ from ecoffload.engine.errors import (
     ItemStateError,
     UnknownItemError,
 )
-from ecoffload.engine.liveness import process_start_time
-from ecoffload.engine.shared_catalog import SharedCatalog
+from ecoffload.engine.base.liveness import process_start_time
+from ecoffload.engine.catalog.catalog import ItemState
+from ecoffload.engine.catalog.shared import catalog as shared_catalog
+from ecoffload.engine.catalog.shared import fault_points
+from ecoffload.engine.catalog.shared import format as shared_catalog_format
+from ecoffload.engine.catalog.shared import native as shared_catalog_native
+from ecoffload.engine.catalog.shared.catalog import SharedCatalog
 
 
 def reopen(path, **layout) -> SharedCatalog:

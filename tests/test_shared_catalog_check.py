@@ -1,4 +1,4 @@
-"""What the shared catalog's ``check`` refuses (engine/shared_catalog_check.py).
+"""What the shared catalog's ``check`` refuses (engine/catalog/shared/check.py).
 
 Each case breaks one invariant of a healthy catalog by hand, the way a lost
 update or a bug would leave it, and expects ``check`` to stop at the assertion
@@ -27,8 +27,8 @@ from collections.abc import Callable
 import pytest
 from test_catalog import B, open_shared
 
-from ecoffload.engine import shared_catalog_format as f
-from ecoffload.engine.shared_catalog import SharedCatalog
+from ecoffload.engine.catalog.shared import format as f
+from ecoffload.engine.catalog.shared.catalog import SharedCatalog
 
 
 def healthy(path) -> SharedCatalog:

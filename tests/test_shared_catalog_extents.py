@@ -1,4 +1,4 @@
-"""Where the shared catalog places a reservation (engine/shared_catalog_extents.py,
+"""Where the shared catalog places a reservation (engine/catalog/shared/extents.py,
 ``_alloc``): the smallest fitting free extent among the first 8 of the request's
 own size class (an exact fit ends the search), else the head of the nearest
 higher class, else the longest extents, split.

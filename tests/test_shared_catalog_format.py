@@ -1,4 +1,4 @@
-"""The shared catalog's word layout and sizes (engine/shared_catalog_format.py):
+"""The shared catalog's word layout and sizes (engine/catalog/shared/format.py):
 where each part of the region starts, the defaults and refusals of the sizes,
 and what a slot stores of an item's shape and dtype."""
 
@@ -7,8 +7,8 @@ import mmap
 import pytest
 import torch
 
-from ecoffload.engine import shared_catalog_format as f
-from ecoffload.engine.errors import CatalogCapacityError, InvalidSizeError
+from ecoffload.engine.base.errors import CatalogCapacityError, InvalidSizeError
+from ecoffload.engine.catalog.shared import format as f
 
 B = 4096
 

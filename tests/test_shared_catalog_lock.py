@@ -27,19 +27,16 @@ import pytest
 from test_catalog import B, open_shared
 from test_shared_catalog import reopen
 
-from ecoffload.engine import (
-    fault_points,
-    robust_mutex,
-    shared_catalog,
-    shared_catalog_lock,
-    shared_catalog_native,
-)
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.catalog import ItemState
-from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogLockError
-from ecoffload.engine.liveness import boot_id, process_start_time
-from ecoffload.engine.shared_catalog import SharedCatalog
-from ecoffload.engine.shared_catalog_format import H_BOOT, H_VERSION, MUTEX_AT, MUTEX_SLOT
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.base.errors import ArenaLayoutMismatch, CatalogLockError
+from ecoffload.engine.base.liveness import boot_id, process_start_time
+from ecoffload.engine.catalog.catalog import ItemState
+from ecoffload.engine.catalog.shared import catalog as shared_catalog
+from ecoffload.engine.catalog.shared import fault_points, robust_mutex
+from ecoffload.engine.catalog.shared import lock as shared_catalog_lock
+from ecoffload.engine.catalog.shared import native as shared_catalog_native
+from ecoffload.engine.catalog.shared.catalog import SharedCatalog
+from ecoffload.engine.catalog.shared.format import H_BOOT, H_VERSION, MUTEX_AT, MUTEX_SLOT
 
 # "name#2": the point's second pass (a nested pin's count, the last unpin's unlink)
 UPDATE_POINTS = ["reserve:written", "commit:published", "pin:record", "pin:record#2",
@@ -103,7 +100,7 @@ def _setup(path):
     return c
 
 
-LOG = "ecoffload.engine.shared_catalog"
+LOG = "ecoffload.engine.catalog.shared.catalog"
 
 
 def taken_over(path, inside: bool) -> str:
@@ -242,7 +239,7 @@ def test_a_long_wait_for_the_lock_sleeps_in_slices_and_warns_once_naming_the_fil
     waits = _CountingTimedlock(robust_mutex.PT_WAIT)
     monkeypatch.setattr(robust_mutex, "PT_WAIT", waits)
     monkeypatch.setattr(shared_catalog_lock, "_WAIT_WARN_S", 1.0)
-    caplog.set_level("WARNING", logger="ecoffload.engine.shared_catalog")
+    caplog.set_level("WARNING", logger="ecoffload.engine.catalog.shared.catalog")
     _wait_for_a_holder(c, 0.3, caplog)  # shorter than the warning's delay: no warning
     assert not caplog.records and 1 <= waits.calls <= 4
     waits.calls = 0

@@ -1,4 +1,4 @@
-"""Making room in the shared catalog (engine/shared_catalog_lru.py, ``_make_room``):
+"""Making room in the shared catalog (engine/catalog/shared/lru.py, ``_make_room``):
 a reserve that finds no room reaps dead processes' reservations first (at most
 every 50 ms), then evicts the least recently used unpinned items, and is
 refused when even both cannot make the room.

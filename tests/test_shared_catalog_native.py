@@ -1,4 +1,4 @@
-"""The shared catalog's C fast paths (engine/shared_catalog_native.c) write what the Python
+"""The shared catalog's C fast paths (engine/catalog/shared/native.c) write what the Python
 methods write, serve the hits, pins and unpins of the paths users take, and leave pins that
 dead processes took through them to be reaped.
 
@@ -17,10 +17,11 @@ import time
 import pytest
 from test_catalog import B, open_shared
 
-from ecoffload.engine import fault_points, shared_catalog_native
-from ecoffload.engine.errors import CatalogError
-from ecoffload.engine.shared_catalog import SharedCatalog
-from ecoffload.engine.shared_catalog_format import H_DIRTY, MUTEX_AT, MUTEX_SLOT
+from ecoffload.engine.base.errors import CatalogError
+from ecoffload.engine.catalog.shared import fault_points
+from ecoffload.engine.catalog.shared import native as shared_catalog_native
+from ecoffload.engine.catalog.shared.catalog import SharedCatalog
+from ecoffload.engine.catalog.shared.format import H_DIRTY, MUTEX_AT, MUTEX_SLOT
 
 BUILT = "the C fast paths are not built: `pip install -e .` on a host with a C compiler"
 

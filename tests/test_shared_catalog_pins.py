@@ -1,4 +1,4 @@
-"""Pins of the shared catalog beside other processes' pins (engine/shared_catalog_pins.py).
+"""Pins of the shared catalog beside other processes' pins (engine/catalog/shared/pins.py).
 
 A pin belongs to the process that took it, so every walk of an item's pin
 records must pass over other processes' records and take this process's own:
@@ -19,7 +19,7 @@ import pytest
 from test_catalog import B, open_shared
 from test_shared_catalog import reopen
 
-from ecoffload.engine.errors import CatalogCapacityError, ItemStateError, UnknownItemError
+from ecoffload.engine.base.errors import CatalogCapacityError, ItemStateError, UnknownItemError
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Reading the shared catalog (engine/shared_catalog_reads.py): entries read their
+"""Reading the shared catalog (engine/catalog/shared/reads.py): entries read their
 keys from the slot table, an object keeps one entry per item and refreshes it in
 place, a CRC of 0 is a checksum like any other, and reads never mark the catalog
 dirty (a reader that dies holding the lock costs no rebuild)."""
@@ -8,8 +8,8 @@ import zlib
 from test_catalog import B, open_shared
 from test_shared_catalog import reopen, two_ready_items_and_a_counting_reader
 
-from ecoffload.engine import shared_catalog_format as f
-from ecoffload.engine.catalog import ItemState
+from ecoffload.engine.catalog.catalog import ItemState
+from ecoffload.engine.catalog.shared import format as f
 
 
 def test_entries_read_every_key_from_the_slot_table_in_slot_order(tmp_path):

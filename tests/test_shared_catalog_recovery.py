@@ -1,4 +1,4 @@
-"""What the shared catalog's rebuild keeps (engine/shared_catalog_recovery.py,
+"""What the shared catalog's rebuild keeps (engine/catalog/shared/recovery.py,
 ``_recover``): the slot table is the truth, and a slot that does not parse, or a
 reservation of a dead process, is freed; pin records of live processes on READY
 items are kept and summed, the rest freed; every derived structure comes out
@@ -27,12 +27,12 @@ import pytest
 from test_catalog import B, open_shared
 from test_shared_catalog_check import pin, slot  # word indexes of a slot and a pin record
 
-from ecoffload.engine import fault_points
-from ecoffload.engine import shared_catalog_format as f
-from ecoffload.engine.catalog import ItemState
-from ecoffload.engine.errors import InvalidSizeError
-from ecoffload.engine.liveness import process_start_time
-from ecoffload.engine.shared_catalog import SharedCatalog
+from ecoffload.engine.base.errors import InvalidSizeError
+from ecoffload.engine.base.liveness import process_start_time
+from ecoffload.engine.catalog.catalog import ItemState
+from ecoffload.engine.catalog.shared import fault_points
+from ecoffload.engine.catalog.shared import format as f
+from ecoffload.engine.catalog.shared.catalog import SharedCatalog
 
 READY, WRITING = ItemState.READY, ItemState.WRITING
 HEALTHY = {"abcd": (READY, 0), "b": (READY, 1), "w": (WRITING, 0), "z": (READY, 0)}
@@ -268,7 +268,7 @@ def test_verify_drops_each_damaged_item_past_the_ones_it_keeps(tmp_path, caplog)
     put(c, data, "zero", 1, 0)  # a recorded CRC of 0 is a CRC
     good = put(c, data, "good", 2)
     recoveries, evictions = c.recoveries, c.stats().evictions
-    with caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_catalog"):
+    with caplog.at_level(logging.INFO, logger="ecoffload.engine.catalog.shared.catalog"):
         assert c.verify(memoryview(data)) == 2
     assert {e.key for e in c.entries()} == {"writing", "no-crc", "no-crc-2", "good", *pinned}
     assert c.entry("good").extents == good.extents

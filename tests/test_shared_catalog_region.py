@@ -1,4 +1,4 @@
-"""Opening the shared catalog's region (engine/shared_catalog_region.py): the
+"""Opening the shared catalog's region (engine/catalog/shared/region.py): the
 first opener formats it with the layout given, later openers check theirs
 against it, every refusal says what was found and leaves no descriptor or map
 behind, and opening reaps what dead processes left."""
@@ -16,14 +16,15 @@ import zlib
 import pytest
 from test_catalog import B
 
-from ecoffload.engine import robust_mutex, shared_catalog_recovery
-from ecoffload.engine import shared_catalog_format as f
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.catalog import ItemState
-from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogLockError, InvalidSizeError
-from ecoffload.engine.janitor import ofd_lock
-from ecoffload.engine.liveness import boot_id
-from ecoffload.engine.shared_catalog import SharedCatalog, meta_bytes
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.arena.janitor import ofd_lock
+from ecoffload.engine.base.errors import ArenaLayoutMismatch, CatalogLockError, InvalidSizeError
+from ecoffload.engine.base.liveness import boot_id
+from ecoffload.engine.catalog.catalog import ItemState
+from ecoffload.engine.catalog.shared import format as f
+from ecoffload.engine.catalog.shared import recovery as shared_catalog_recovery
+from ecoffload.engine.catalog.shared import robust_mutex
+from ecoffload.engine.catalog.shared.catalog import SharedCatalog, meta_bytes
 
 LAYOUT = {"num_blocks": 8, "block_bytes": B, "max_items": 5, "max_key_bytes": 16,
           "max_pins": 6}  # fmt: skip
@@ -173,7 +174,7 @@ def test_a_lock_from_another_boot_is_made_afresh_and_the_boot_recorded(tmp_path,
     c.commit("a")
     c._w[f.H_BOOT + 1] ^= 1
     c.close()
-    with caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_catalog"):
+    with caplog.at_level(logging.INFO, logger="ecoffload.engine.catalog.shared.catalog"):
         c = open_region(tmp_path / "c")
     assert [r.getMessage() for r in caplog.records] == [
         f"catalog {tmp_path / 'c'}: its lock is from another boot; initialising it afresh"
@@ -182,7 +183,7 @@ def test_a_lock_from_another_boot_is_made_afresh_and_the_boot_recorded(tmp_path,
     assert "a" in c and c.recoveries == 1  # nothing rebuilt: it was clean
     c.close()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_catalog"):
+    with caplog.at_level(logging.INFO, logger="ecoffload.engine.catalog.shared.catalog"):
         open_region(tmp_path / "c").close()
     assert caplog.records == []  # this boot's: nothing to say
 
@@ -259,7 +260,7 @@ def test_a_catalog_opened_without_a_path_is_named_by_its_descriptor(tmp_path):
 
 def test_the_first_opener_says_nothing_of_another_boot(tmp_path, caplog):
     os.close(zero_file(tmp_path / "c", meta_bytes(8, B)))
-    with caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_catalog"):
+    with caplog.at_level(logging.INFO, logger="ecoffload.engine.catalog.shared.catalog"):
         c = open_region(tmp_path / "c", num_blocks=8, block_bytes=B)
     assert caplog.records == []  # it recorded this boot as it formatted
     assert (c._w[f.H_BOOT], c._w[f.H_BOOT + 1]) == boot_id()

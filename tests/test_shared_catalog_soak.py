@@ -25,10 +25,11 @@ import zlib
 
 import pytest
 
-from ecoffload.engine import fault_points, shared_catalog
-from ecoffload.engine.catalog import ItemState
-from ecoffload.engine.errors import CatalogError
-from ecoffload.engine.shared_catalog import SharedCatalog
+from ecoffload.engine.base.errors import CatalogError
+from ecoffload.engine.catalog.catalog import ItemState
+from ecoffload.engine.catalog.shared import catalog as shared_catalog
+from ecoffload.engine.catalog.shared import fault_points
+from ecoffload.engine.catalog.shared.catalog import SharedCatalog
 
 pytestmark = pytest.mark.slow
 B = 4096

@@ -15,10 +15,10 @@ from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ecoffload.engine import shared_catalog
-from ecoffload.engine.allocator import BlockAllocator
-from ecoffload.engine.catalog import Catalog, ItemState
-from ecoffload.engine.errors import CatalogError
+from ecoffload.engine.base.errors import CatalogError
+from ecoffload.engine.catalog.allocator import BlockAllocator
+from ecoffload.engine.catalog.catalog import Catalog, ItemState
+from ecoffload.engine.catalog.shared import catalog as shared_catalog
 
 MUTATION = bool(os.environ.get("ECOFFLOAD_MUTATION"))
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)

@@ -2,8 +2,8 @@ import contextlib
 
 import pytest
 
-from ecoffload.engine.errors import ConfigError
-from ecoffload.engine.sizes import format_bytes, parse_bytes
+from ecoffload.engine.base.errors import ConfigError
+from ecoffload.engine.base.sizes import format_bytes, parse_bytes
 from ecoffload.kernels import nvtx as nv
 
 

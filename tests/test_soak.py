@@ -16,9 +16,9 @@ import zlib
 import pytest
 import torch
 
-from ecoffload.engine.allocator import BlockAllocator
-from ecoffload.engine.arena import Arena
-from ecoffload.engine.catalog import Catalog
+from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.catalog.allocator import BlockAllocator
+from ecoffload.engine.catalog.catalog import Catalog
 from ecoffload.kernels import empty_items, pack, unpack
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ecoffload.engine.allocator import Extent
+from ecoffload.engine.catalog.allocator import Extent
 from ecoffload.kernels import PlanError, native, plan, plan_copy
 from ecoffload.kernels.step_table import StepTable
 
@@ -92,8 +92,8 @@ def test_a_faulty_step_table_is_named_as_precisely_as_per_item_tables(monkeypatc
 
 
 def test_a_step_of_catalog_entries_is_their_extents_concatenated():
-    from ecoffload.engine.allocator import BlockAllocator
-    from ecoffload.engine.catalog import Catalog
+    from ecoffload.engine.catalog.allocator import BlockAllocator
+    from ecoffload.engine.catalog.catalog import Catalog
 
     catalog = Catalog(BlockAllocator(32, 4096))
     fillers = [catalog.reserve(f"fill-{i}", 4096) for i in range(32)]
@@ -120,9 +120,9 @@ def test_a_save_s_fresh_reservations_get_one_pass_and_a_load_s_entries_keep_thei
     the first step and reused on the next. Both give the entries' extents, in order."""
     from test_catalog import B, open_shared
 
-    from ecoffload.engine.allocator import BlockAllocator
     from ecoffload.engine.cache import STEP_TABLE_FROM, step_tables
-    from ecoffload.engine.catalog import Catalog
+    from ecoffload.engine.catalog.allocator import BlockAllocator
+    from ecoffload.engine.catalog.catalog import Catalog
 
     blocks = 2 * STEP_TABLE_FROM + 4
     catalog = open_shared(tmp_path / "c", blocks) if shared else Catalog(BlockAllocator(blocks, B))

@@ -19,7 +19,7 @@ import sysconfig
 
 import pytest
 
-from ecoffload.engine.arena import Arena
+from ecoffload.engine.arena.arena import Arena
 
 B = 4096
 ITEMS = {"img-0": 3 * B + 100, "img-1": B, "img-2": 2 * B}  # bytes of each saved item
@@ -150,7 +150,7 @@ def test_inspect_shows_states_pins_producers_and_free_room_and_changes_nothing(
 
 
 def test_a_copy_without_a_second_equal_one_is_marked_not_consistent(arena_dir, holders):
-    from ecoffload.engine.arena_survey import CatalogSnapshot
+    from ecoffload.engine.survey import CatalogSnapshot
 
     live = holders("live", arena_dir)
     rushed, settled = CatalogSnapshot.take(live.path, timeout_s=0), CatalogSnapshot.take(live.path)
@@ -208,7 +208,7 @@ def test_verify_reports_an_item_a_warm_restart_would_drop(arena_dir, holders):
 
 
 def _first_block_of(path, key):
-    from ecoffload.engine.arena_survey import CatalogSnapshot
+    from ecoffload.engine.survey import CatalogSnapshot
 
     snapshot = CatalogSnapshot.take(path)
     with snapshot.opened() as catalog:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ecoffload.engine import transfer
-from ecoffload.engine.arena import Arena
+from ecoffload.engine.arena.arena import Arena
 
 B = 4096
 

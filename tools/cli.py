@@ -13,7 +13,7 @@
 
 Each takes ``--json`` (one JSON object on stdout; the schema is in the
 README). The read-only commands never change an arena nor take its lock: they
-work on a copy of the catalog region (``engine/arena_survey.py``).
+work on a copy of the catalog region (``engine/survey.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from ..engine.arena import Arena
-from ..engine.arena_format import DEFAULT_DIR
-from ..engine.arena_survey import (
+from ..engine.arena.arena import Arena
+from ..engine.arena.format import DEFAULT_DIR
+from ..engine.base.errors import ArenaError
+from ..engine.base.sizes import format_bytes
+from ..engine.survey import (
     ArenaNotFoundError,
     CatalogSnapshot,
     arena_path,
@@ -34,8 +36,6 @@ from ..engine.arena_survey import (
     holders,
     summarize,
 )
-from ..engine.errors import ArenaError
-from ..engine.sizes import format_bytes
 from . import dashboard
 
 EXIT_OK, EXIT_REFUSED, EXIT_NOT_FOUND = 0, 1, 2

@@ -1,0 +1,108 @@
+"""The shared catalog's eviction policy: least recently used, READY unpinned items first.
+
+READY slots form one intrusive doubly linked list in use order (``S_PREV`` /
+``S_NEXT``, ends in the header), each stamped with a use tick (``S_TICK``,
+from which recovery rebuilds the order). A commit stamps its slot before
+publishing it and appends it (:meth:`_lru_append`), a hit moves it to the tail
+(:meth:`_lru_touch`), a drop unlinks it
+(:meth:`_lru_unlink`); :meth:`_make_room` walks from the head. Changing the
+policy means changing this file.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .format import (
+    H_DIRTY,
+    H_EVICTABLE,
+    H_FREE_BLOCKS,
+    H_LRU_HEAD,
+    H_LRU_TAIL,
+    H_SLOT_FREE,
+    H_TICK,
+    S_BLOCKS,
+    S_NEXT,
+    S_PINS,
+    S_PREV,
+    S_TICK,
+    SLOT_WORDS,
+)
+from .state import CatalogState
+
+
+class LRUPolicy(CatalogState):
+    """LRU order and eviction (a mixin of the shared catalog; lock held throughout)."""
+
+    def _lru_touch(self, s: int, b: int) -> None:
+        """A hit on READY slot ``s`` (its words at ``b``): the most recently used. Marks
+        the catalog dirty when it relinks (the tick alone is no structure)."""
+        w, sl = self._w, self._sl
+        tick = w[H_TICK] + 1
+        w[H_TICK] = tick
+        w[b + S_TICK] = tick
+        tail = w[H_LRU_TAIL]
+        if tail != s:  # to the tail: s has a successor
+            w[H_DIRTY] = self._pid
+            prev, nxt = w[b + S_PREV], w[b + S_NEXT]
+            if prev >= 0:
+                w[sl + prev * SLOT_WORDS + S_NEXT] = nxt
+            else:
+                w[H_LRU_HEAD] = nxt
+            w[sl + nxt * SLOT_WORDS + S_PREV] = prev
+            w[b + S_PREV] = tail
+            w[b + S_NEXT] = -1
+            w[sl + tail * SLOT_WORDS + S_NEXT] = s
+            w[H_LRU_TAIL] = s
+
+    def _lru_append(self, s: int) -> None:
+        w, sl = self._w, self._sl
+        b = sl + s * SLOT_WORDS
+        tail = w[H_LRU_TAIL]
+        w[b + S_PREV] = tail
+        w[b + S_NEXT] = -1
+        if tail >= 0:
+            w[sl + tail * SLOT_WORDS + S_NEXT] = s
+        else:
+            w[H_LRU_HEAD] = s
+        w[H_LRU_TAIL] = s
+
+    def _lru_unlink(self, s: int) -> None:
+        w, sl = self._w, self._sl
+        b = sl + s * SLOT_WORDS
+        prev, nxt = w[b + S_PREV], w[b + S_NEXT]
+        if prev >= 0:
+            w[sl + prev * SLOT_WORDS + S_NEXT] = nxt
+        else:
+            w[H_LRU_HEAD] = nxt
+        if nxt >= 0:
+            w[sl + nxt * SLOT_WORDS + S_PREV] = prev
+        else:
+            w[H_LRU_TAIL] = prev
+
+    def _make_room(self, need: int) -> bool:
+        """Evict LRU items until ``need`` blocks and one slot are free; False if impossible."""
+        w = self._w
+        if need <= w[H_FREE_BLOCKS] and w[H_SLOT_FREE] >= 0:
+            return True
+        if w[H_FREE_BLOCKS] + w[H_EVICTABLE] < need or (w[H_SLOT_FREE] < 0 and not w[H_EVICTABLE]):
+            now = time.monotonic()
+            if now - self._last_reap < 0.05 or not self._reap():
+                self._last_reap = now
+                return False
+            self._last_reap = now  # the walk below finds whether the reap made room enough
+        sl = self._sl
+        victims, room, slot_free = [], w[H_FREE_BLOCKS], w[H_SLOT_FREE] >= 0
+        s = w[H_LRU_HEAD]
+        while s >= 0 and (room < need or not slot_free):  # oldest first
+            b = sl + s * SLOT_WORDS
+            if w[b + S_PINS] == 0:
+                victims.append(s)
+                room += w[b + S_BLOCKS]
+                slot_free = True
+            s = w[b + S_NEXT]
+        if room < need or not slot_free:
+            return False
+        for s in victims:
+            self._drop(s, evicted=True)
+        return True
