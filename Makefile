@@ -44,6 +44,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m pyright
 	$(PY) -m pytest
 
 # The connector tests against vLLM 0.33 (what GPU users run): the GPU wheel, fetched

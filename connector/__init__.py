@@ -6,7 +6,10 @@ works without vLLM installed; vLLM's factory does ``getattr(module, name)``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and editors
+    from .connector import ECOffloadConnector
 
 __all__ = ["ECOffloadConnector"]
 

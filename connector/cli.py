@@ -73,7 +73,7 @@ class _AliasDistribution(importlib.metadata.Distribution):
                 break  # end of the headers
         return "".join(lines)
 
-    def locate_file(self, path: str) -> object:
+    def locate_file(self, path: str) -> object:  # pyright: ignore[reportIncompatibleMethodOverride]
         return self._dist.locate_file(path)
 
 
@@ -81,7 +81,7 @@ class _VllmAliasFinder(importlib.metadata.DistributionFinder):
     """Answers ``distribution("vllm")`` with the installed CPU build's distribution."""
 
     @staticmethod
-    def find_spec(*args: object, **kwargs: object) -> None:
+    def find_spec(*args: object, **kwargs: object) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
         return None  # never imports modules: metadata only
 
     def find_distributions(

@@ -28,7 +28,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 try:  # worker -> scheduler metadata: vLLM >= 0.32
-    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata  # pyright: ignore[reportAssignmentType]
 except ImportError:  # pragma: no cover - older releases
 
     class ECConnectorWorkerMetadata:  # type: ignore[no-redef]
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - older releases
 
 
 try:
-    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats  # pyright: ignore[reportAssignmentType]
 except ImportError:  # pragma: no cover - releases without EC stats
 
     class ECConnectorStats:  # type: ignore[no-redef]

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.arena.format import POPULATE_MODES, check_arena_name
+from ..engine.arena.format import POPULATE_MODES, PopulateMode, check_arena_name
 from ..engine.base.errors import ArenaError, ConfigError
 from ..engine.base.sizes import parse_bytes
 
@@ -142,7 +142,7 @@ class OffloadConfig:
     arena_dir: str
     arena_name: str
     num_programs: int | None
-    populate: str = "background"
+    populate: PopulateMode = "background"
     persistent: bool = False
     nixl: NixlConfig | None = None
 

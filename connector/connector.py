@@ -12,7 +12,7 @@ forwards every hook to it; it holds no logic of its own. Enable with::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,15 @@ from .shared_arena import default_arena_name
 from .stats import ECOffloadStats
 from .worker_side import WorkerSide
 
+if TYPE_CHECKING:  # vLLM's own types for its hooks' arguments (imported by vLLM anyway)
+    from vllm.config import VllmConfig
+    from vllm.distributed.ec_transfer.ec_connector.metrics import PromMetric, PromMetricT
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.request import Request
+
+    from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata
+
 
 class ECOffloadConnector(ECConnectorBase):
     side: SchedulerSide | WorkerSide  # the delegate of this process's role
@@ -31,9 +40,10 @@ class ECOffloadConnector(ECConnectorBase):
     _scheduler: SchedulerSide
     _worker: WorkerSide
 
-    def __init__(self, vllm_config: Any, role: ECConnectorRole) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         transfer = vllm_config.ec_transfer_config
+        assert transfer is not None, "vLLM makes an EC connector only from ec_transfer_config"
         config = OffloadConfig.from_extra_config(
             transfer.ec_connector_extra_config, default_name=default_arena_name(vllm_config)
         )
@@ -48,19 +58,19 @@ class ECOffloadConnector(ECConnectorBase):
         return self._scheduler.has_cache_item(identifier)
 
     @traced("ecoffload.update_state_after_alloc")
-    def update_state_after_alloc(self, request: Any, index: int) -> None:
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
         self._scheduler.update_state_after_alloc(request, index)
 
     @traced("ecoffload.build_connector_meta")
-    def build_connector_meta(self, scheduler_output: Any):
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECOffloadMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
     @traced("ecoffload.update_connector_output")
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         self._scheduler.update_connector_output(connector_output)
 
     @traced("ecoffload.request_finished")
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)
 
     @traced("ecoffload.has_pending_push_work")
@@ -68,7 +78,7 @@ class ECOffloadConnector(ECConnectorBase):
         return self._scheduler.has_pending_push_work()
 
     @traced("ecoffload.ensure_cache_available")
-    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         return self._scheduler.ensure_cache_available(request, num_computed_tokens)
 
     @traced("ecoffload.take_unavailable_requests")
@@ -76,7 +86,7 @@ class ECOffloadConnector(ECConnectorBase):
         return self._scheduler.take_unavailable_requests()
 
     @traced("ecoffload.update_state_after_free")
-    def update_state_after_free(self, request: Any, index: int) -> None:
+    def update_state_after_free(self, request: Request, index: int) -> None:
         self._scheduler.update_state_after_free(request, index)
 
     @traced("ecoffload.get_ec_connector_stats")
@@ -118,7 +128,7 @@ class ECOffloadConnector(ECConnectorBase):
         return self._worker.get_finished(finished_req_ids)
 
     @traced("ecoffload.build_connector_worker_meta")
-    def build_connector_worker_meta(self):
+    def build_connector_worker_meta(self) -> ECOffloadWorkerMetadata | None:
         return self._worker.build_connector_worker_meta()
 
     @traced("ecoffload.start_worker_services")
@@ -133,8 +143,8 @@ class ECOffloadConnector(ECConnectorBase):
     @classmethod
     def build_prom_metrics(
         cls,
-        vllm_config: Any,
-        metric_types: dict[type, type],
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> Any:

@@ -74,7 +74,9 @@ class ECOffloadWorkerMetadata(ECConnectorWorkerMetadata):
     not_saved: dict[str, int] = field(default_factory=dict)
     loaded: Counter = field(default_factory=Counter)
 
-    def aggregate(self, other: ECOffloadWorkerMetadata) -> ECOffloadWorkerMetadata:
+    def aggregate(  # pyright: ignore[reportIncompatibleMethodOverride]  (vLLM merges one type)
+        self, other: ECOffloadWorkerMetadata
+    ) -> ECOffloadWorkerMetadata:
         """Merge another rank's report: union of steps and saves, sum of load counts."""
         return ECOffloadWorkerMetadata(
             steps=self.steps | other.steps,

@@ -20,12 +20,16 @@ breaks an older metrics process. The metric classes come from vLLM
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from .stats import COUNTERS, GAUGES, WORKER_COUNTERS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.ec_transfer.ec_connector.metrics import PromMetric, PromMetricT
 
 PREFIX = "vllm:ecoffload_"
 USAGE = "arena_usage_perc"  # 1 - blocks_free / blocks_total
@@ -76,8 +80,8 @@ class ECOffloadPromMetrics(ECConnectorPromMetrics):
 
     def __init__(
         self,
-        vllm_config: Any,
-        metric_types: dict[type, type],
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
@@ -93,7 +97,7 @@ class ECOffloadPromMetrics(ECConnectorPromMetrics):
             metric = self._gauge_cls(
                 name=PREFIX + name,
                 documentation=_describe(name),
-                multiprocess_mode="mostrecent",
+                multiprocess_mode="mostrecent",  # pyright: ignore[reportCallIssue]  (a Gauge)
                 labelnames=labelnames,
             )
             self.gauges[name] = create_metric_per_engine(metric, per_engine_labelvalues)

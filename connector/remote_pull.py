@@ -147,10 +147,10 @@ class RemoteProducer:
     def announce(self, request: Any) -> dict[str, Any] | None:
         """``ec_transfer_params`` for ``request``'s READY items (copied into the export
         window now), or None."""
-        window = self.peer.window
+        window = self.peer.export_window()
         items: dict[str, AnnouncedItem] = {}
         slots: list[list[Extent]] = []
-        host = self.peer.arena.host.numpy()
+        host = self.peer.arena.host_tensor().numpy()
         block = self.peer.arena.block_bytes
         for feature in request.mm_features or ():
             key = feature.identifier
@@ -208,7 +208,7 @@ class RemoteProducer:
 
     def _release(self, slots: list[list[Extent]]) -> None:
         for slot in slots:
-            self.peer.window.release(slot)
+            self.peer.export_window().release(slot)
 
     def close(self) -> None:
         """Stop the thread, end every lease (close before the peer)."""
@@ -354,12 +354,14 @@ class RemoteConsumer:
     def step(self) -> None:
         """Once per scheduler step: advance reads, settle abandoned ones."""
         for pull in [p for p in self._pulls.values() if p.state == "reading"]:
-            state = self.peer.poll(pull.handle)
+            handle = pull.handle
+            assert handle is not None, "a pull reads once its read is posted"
+            state = self.peer.poll(handle)
             if state == "done":
                 self._finish(pull)
             elif state == "error":
                 self._broken.add(pull.peer)
-                self._fail(pull, f"pull from {pull.peer} failed: {pull.handle.error}")
+                self._fail(pull, f"pull from {pull.peer} failed: {handle.error}")
         still = []
         for handle, reserved in self._unsettled:
             self.peer.poll(handle)

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections import Counter
 from typing import Any
 
 from ..engine.base.errors import CatalogError, DuplicateItemError
-from ..engine.base.liveness import process_start_time
+from ..engine.base.liveness import ProcessId
+from ..engine.catalog.shared.format import SharedEntry
 from ..kernels.nvtx import nvtx_range
 from ..kernels.step_table import StepTable
 from .compat import (
@@ -95,13 +95,13 @@ class SchedulerSide:
             if self.consumer:
                 self.remote_consumer = RemoteConsumer(self.peer, self.catalog, config.nixl,
                                                       self._counts, layout=layout)  # fmt: skip
-        self._me = (os.getpid(), process_start_time(os.getpid()) or 0)
+        self._me = ProcessId.of_this_process()
         self._step = 0
         # Pinned hits not yet scheduled: the entry the pinning lookup returned (pinned, so
         # it stays as read: nothing asks the catalog again for it).
         self._promised: dict[str, Any] = {}
         self._loads: dict[str, tuple[LoadSpec, Any]] = {}  # key -> (spec, entry)
-        self._saves: dict[str, tuple[int, int, Any]] = {}  # key -> (nbytes, generation, entry)
+        self._saves: dict[str, SharedEntry] = {}  # key -> its reservation this step
         self._shipped: dict[int, tuple[list[str], list[str]]] = {}  # step -> (saves, loads)
         self._sizes: dict[str, tuple[str, int]] = {}  # key -> (modality, rows) asked to save
         self._row_bytes: dict[str, int] = {}  # modality -> bytes per output row (learned)
@@ -154,7 +154,7 @@ class SchedulerSide:
         if entry is None:
             self._counts["saves_skipped_no_room"] += 1
             return
-        self._saves[key] = (entry.nbytes, entry.generation, entry)
+        self._saves[key] = entry
         if self._reports:  # a worker report settles it (and its size, if refused), then drops it
             self._sizes[key] = (feature.modality, rows)
             self._writing[key] = (entry.nbytes, entry.generation)
@@ -180,11 +180,11 @@ class SchedulerSide:
             self._step,
             self.arena.nonce,
             loads=[spec for spec, _ in loads.values()],
-            saves={key: SaveSpec(i, nbytes, generation)
-                   for i, (key, (nbytes, generation, _)) in enumerate(saves.items())},
+            saves={key: SaveSpec(i, entry.nbytes, entry.generation)
+                   for i, (key, entry) in enumerate(saves.items())},
             load_table=StepTable.of_entries([entry for _, entry in loads.values()]),
             # fresh reservations, shipped once: one pass, not an array per entry (~2 us each)
-            save_table=StepTable.from_tables([entry.extents for _, _, entry in saves.values()]),
+            save_table=StepTable.from_tables([entry.extents for entry in saves.values()]),
         )  # fmt: skip
         if loads or (saves and self._reports):
             self._shipped[self._step] = (list(saves), list(loads))

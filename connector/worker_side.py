@@ -102,11 +102,12 @@ class WorkerSide:
         self._meta = None
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        loads = self._meta.loads if self._meta is not None else []
-        if not loads:
+        meta = self._meta
+        if meta is None or not meta.loads:
             return
+        loads = meta.loads
         specs = [(dtype_from_name(spec.dtype), spec.shape) for spec in loads]
-        outputs, done = self.mover.load(self._meta.load_table, specs)  # the arrays as shipped
+        outputs, done = self.mover.load(meta.load_table, specs)  # the arrays as shipped
         keys = [spec.key for spec in loads]
         self._counts["load_launches"] += 1
         self._counts["items_loaded"] += len(keys)
@@ -162,6 +163,7 @@ class WorkerSide:
                     self._not_saved[key] = -1  # reserved, but never produced this step
         if not queued:
             return
+        assert meta is not None, "outputs are queued only under a step's metadata"
         specs = [meta.saves[k] for k in queued]
         table = meta.save_table.select([spec.item for spec in specs])  # array slices
         try:
@@ -185,14 +187,16 @@ class WorkerSide:
     def _commit(self, batch: dict[str, _Saved], report: ECOffloadWorkerMetadata) -> None:
         """Publish saves whose copy completed: READY for every instance on the host
         (with the CRC-32 of the bytes on a persistent arena, for a warm restart)."""
-        host = self.arena.host.numpy() if self._checksums else None
+        catalog = self.catalog
+        assert catalog is not None, "only the writer rank commits"
+        host = self.arena.host_tensor().numpy() if self._checksums else None
         for key, item in batch.items():
             crc = None
             if host is not None:
                 crc = item_crc32(host, item.extents.tolist(), self.arena.block_bytes,
                                  item.nbytes)  # fmt: skip
             try:
-                self.catalog.commit(key, crc, generation=item.generation, dtype=item.dtype,
+                catalog.commit(key, crc, generation=item.generation, dtype=item.dtype,
                                     shape=item.shape)  # fmt: skip
             except CatalogError as exc:  # the reservation is gone: never serve these bytes
                 log.warning("ecoffload: not publishing %s: %s", key, exc)
@@ -202,6 +206,7 @@ class WorkerSide:
 
     def _abort(self, key: str, generation: int) -> None:
         """Give back reservation ``generation`` of ``key``: it will never be filled."""
+        assert self.catalog is not None, "only the writer rank reserves"
         with contextlib.suppress(CatalogError):  # gone, or reserved again
             self.catalog.abort(key, generation=generation)
 
@@ -222,7 +227,7 @@ class WorkerSide:
         self._flush_saves()
         if not self.reports_stats:
             return None
-        now = {name: self._counts.get(name, 0) for name in WORKER_COUNTERS}
+        now: dict[str, int | float] = {name: self._counts.get(name, 0) for name in WORKER_COUNTERS}
         changed = delta(now, self._reported)
         return ECOffloadStats(data=changed) if changed else None
 

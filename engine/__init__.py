@@ -8,7 +8,7 @@ does not import torch. Torch-backed names load on first use.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .base.errors import (
     ArenaAttachTimeout,
@@ -32,6 +32,12 @@ from .base.errors import (
 from .base.sizes import format_bytes, parse_bytes
 from .catalog.allocator import BlockAllocator, Extent
 from .catalog.catalog import Catalog, CatalogStats, Entry, ItemState
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers and editors
+    from .arena.arena import ANY_LAYOUT, Arena
+    from .cache import OffloadCache, SaveResult
+    from .remote.peer import ArenaPeer, PeerCard, Pull, PullHandle
+    from .transfer import BlockMover, Completion
 
 _LAZY = {
     "ANY_LAYOUT": ".arena.arena",

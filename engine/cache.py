@@ -293,14 +293,14 @@ class OffloadCache:
         crc = None
         if self.integrity:  # recorded with the commit: a READY item always has its CRC
             entry = self.catalog.entry(key)
-            crc = item_crc32(self.arena.host.numpy(), entry.extents, self.arena.block_bytes,
-                             entry.nbytes)  # fmt: skip
+            data = self.arena.host_tensor().numpy()
+            crc = item_crc32(data, entry.extents, self.arena.block_bytes, entry.nbytes)
         self.catalog.commit(key, crc)
 
     def _verified(self, key: str, tensor: torch.Tensor) -> bool:
         data = tensor.reshape(-1).view(torch.uint8).cpu().numpy()
         entry = self.catalog.entry(key) if self.catalog.state(key) is not None else None
-        if entry is not None and zlib.crc32(data) == entry.checksum:
+        if entry is not None and zlib.crc32(data.data) == entry.checksum:
             return True
         self.integrity_failures += 1
         log.error("ecoffload: %s failed its integrity check; dropping it", key)

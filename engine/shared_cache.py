@@ -42,7 +42,7 @@ def open_shared_arena(
 
     def verify(arena: Arena) -> None:  # runs while no other process can open it
         with SharedCatalog.for_arena(arena, max_items=max_items) as catalog:
-            dropped = catalog.verify(arena.host.numpy())
+            dropped = catalog.verify(arena.host_tensor().numpy())
             log.info("ecoffload: warm start from %s: %d items kept, %d dropped by "
                      "verification", arena.path, len(catalog), dropped)  # fmt: skip
 

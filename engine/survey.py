@@ -232,7 +232,9 @@ def summarize(path: str) -> ArenaSummary:
     data_bytes = header.block_bytes * header.num_blocks
     key = raw[KEY_OFFSET : KEY_OFFSET + header.key_len].decode(errors="replace")
     words = np.frombuffer(meta, dtype="<i8") if len(meta) == 8 * 32 else None
-    has_catalog = words is not None and int(words[H_MAGIC]) == CATALOG_MAGIC
+    if words is not None and int(words[H_MAGIC]) != CATALOG_MAGIC:
+        words = None
+    has_catalog = words is not None
     return ArenaSummary(
         name=os.path.basename(path),
         path=path,
@@ -245,10 +247,10 @@ def summarize(path: str) -> ArenaSummary:
         persistent=bool(lifetime & PERSISTENT),
         ready_fraction=read_ready(raw, data_bytes) / data_bytes if data_bytes else 1.0,
         has_catalog=has_catalog,
-        items=int(words[H_ITEMS]) if has_catalog else None,
-        items_ready=int(words[H_READY_ITEMS]) if has_catalog else None,
-        bytes_used=int(words[H_READY_BYTES]) if has_catalog else None,
-        blocks_free=int(words[H_FREE_BLOCKS]) if has_catalog else None,
+        items=int(words[H_ITEMS]) if words is not None else None,
+        items_ready=int(words[H_READY_ITEMS]) if words is not None else None,
+        bytes_used=int(words[H_READY_BYTES]) if words is not None else None,
+        blocks_free=int(words[H_FREE_BLOCKS]) if words is not None else None,
         creator_pid=header.creator_pid,
         creator_alive=alive(header.creator_pid, header.creator_start),
         holders=holders(path),

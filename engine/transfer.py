@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -52,11 +52,8 @@ from ..kernels import (
     warm_up,
 )
 from ..kernels.nvtx import nvtx_range
-from ..kernels.step_table import StepTable
+from ..kernels.step_table import StepTable, Tables
 from .arena.arena import Arena
-
-Extents = Sequence[tuple[int, int]]
-Tables = Sequence[Extents] | StepTable  # per-item tables, or one step's int64 arrays
 
 
 class CopyEvent(Protocol):
@@ -67,7 +64,10 @@ class CopyEvent(Protocol):
     def synchronize(self) -> None: ...
 
 
-class Completion:
+E = TypeVar("E", bound=CopyEvent)
+
+
+class Completion(Generic[E]):
     """The end of one asynchronous copy (no event: a synchronous CPU copy, already done).
 
     Holds ``keep_alive`` (the tensors the copy reads) until the copy is seen
@@ -77,10 +77,10 @@ class Completion:
 
     def __init__(
         self,
-        event: CopyEvent | None = None,
+        event: E | None = None,
         *,
         keep_alive: Sequence[torch.Tensor] = (),
-        release: Callable[[CopyEvent], None] | None = None,
+        release: Callable[[E], None] | None = None,
     ) -> None:
         self._event, self._keep_alive, self._release = event, keep_alive, release
 
@@ -100,7 +100,7 @@ class Completion:
 
     def _finish(self) -> None:
         event, self._event, self._keep_alive = self._event, None, ()
-        if self._release is not None:
+        if self._release is not None and event is not None:
             self._release(event)
 
 
@@ -235,16 +235,16 @@ class BlockMover:
         block = self.arena.block_bytes
         backend = "auto" if self.path == "kernel" else "reference"
         if backend == "auto" and self.arena.registered:
-            step = tables if isinstance(tables, StepTable) else None
             # A step table's item as an array view: covers() walks it only while
             # registration is incomplete, so no Python object per extent otherwise.
-            of = step.extents_of if step is not None else tables.__getitem__
+            of = tables.extents_of if isinstance(tables, StepTable) else tables.__getitem__
             unregistered = {i for i in range(len(tables)) if not self.arena.covers(of(i))}
             if unregistered:
                 host = sorted(unregistered)
                 rest = [i for i in range(len(tables)) if i not in unregistered]
-                if step is not None:
-                    host_tables, tables = step.select(host), step.select(rest)
+                host_tables: Tables
+                if isinstance(tables, StepTable):
+                    host_tables, tables = tables.select(host), tables.select(rest)
                 else:
                     host_tables, tables = [tables[i] for i in host], [tables[i] for i in rest]
                 self._host_copy([tensors[i] for i in host], host_tables, to_arena)
@@ -261,7 +261,7 @@ class BlockMover:
         self, tensors: list[torch.Tensor], tables: Tables, to_arena: bool
     ) -> None:
         """Reference copies through the host mapping (blocks this process has not registered)."""
-        block, host = self.arena.block_bytes, self.arena.host
+        block, host = self.arena.block_bytes, self.arena.host_tensor()
         if to_arena:
             pack(tensors, tables, host, block, backend="reference")
         else:

@@ -353,7 +353,7 @@ def _plan(
     arena: torch.Tensor,
     block_bytes: int,
     config: LaunchConfig,
-) -> tuple[torch.Tensor | None, list[int], CopyPlan]:
+) -> tuple[torch.Tensor | None, Sequence[int], CopyPlan]:
     if isinstance(tensors, ItemViews):  # one buffer: its layout is known
         base, offsets, nbytes = tensors.buffer, tensors.offsets, tensors.nbytes
         span = base.numel()
@@ -440,4 +440,4 @@ def _byte_view_of(tensor: torch.Tensor) -> torch.Tensor:
 
 _is_contiguous = torch.Tensor.is_contiguous
 _data_ptr = torch.Tensor.data_ptr
-_nbytes = torch.Tensor.nbytes.__get__
+_nbytes = torch.Tensor.nbytes.__get__  # pyright: ignore[reportAttributeAccessIssue]  (a property)

@@ -127,7 +127,8 @@ def launch_block_copy(
     rows = 4 * plan.num_segments  # one table, one upload: segment rows, then program rows
     _block_copy_kernel[(plan.num_programs,)](
         items, arena, table[:rows], table[rows:],
-        TO_ARENA=to_arena, VEC=plan.vec_bytes, TILE_BYTES=plan.tile_bytes, num_warps=num_warps,
+        TO_ARENA=to_arena, VEC=plan.vec_bytes, TILE_BYTES=plan.tile_bytes,
+        num_warps=num_warps,  # pyright: ignore[reportCallIssue]  (a launch option Triton's types omit)
     )  # fmt: skip
 
 

@@ -62,10 +62,7 @@ import numpy as np
 import torch
 
 from . import native
-from .step_table import StepTable
-
-Extents = Sequence[tuple[int, int]]
-Tables = Sequence[Extents] | StepTable  # per-item tables, or one step table (step_table.py)
+from .step_table import StepTable, Tables
 
 MAX_VEC_BYTES = 16
 VECTORISE_FROM = 128  # extents per step from which numpy's whole-array passes pay
@@ -211,7 +208,7 @@ def _int64_tensor(buffer: array | bytearray) -> torch.Tensor:
 
 
 def _leave_long_segments_to_dma(
-    flat: array, vec: int, tile_bytes: int, min_bytes: int
+    flat: array | list[int], vec: int, tile_bytes: int, min_bytes: int
 ) -> tuple[array, array, int, list[tuple[int, int, int]]]:
     """Segment rows without those of ``min_bytes`` or more (tiles renumbered), and those."""
     kept, first_tiles, dma, tile = array("q"), array("q"), [], 0

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-Extents = Sequence[tuple[int, int]]
+from .step_table import Extents
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,7 @@ class StepTable(Sequence):
             self.bounds, other.bounds
         )
 
-    __hash__ = None  # mutable arrays inside
+    __hash__ = None  # pyright: ignore[reportAssignmentType]  (mutable arrays inside)
 
     def __getstate__(self) -> tuple[np.ndarray, np.ndarray]:
         return self.extents, self.bounds
@@ -136,3 +136,7 @@ class StepTable(Sequence):
 _NO_EXTENTS = np.empty((0, 2), np.int64)
 _NO_BOUNDS = np.zeros(1, np.int64)
 _NO_EXTENTS.flags.writeable = _NO_BOUNDS.flags.writeable = False  # shared by every empty table
+
+
+Extents = Sequence[tuple[int, int]]  # one item's block table: (start block, count) runs
+Tables = Sequence[Extents] | StepTable  # a step's tables: one per item, or one StepTable

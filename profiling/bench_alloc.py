@@ -27,9 +27,9 @@ import tempfile
 import threading
 import time
 
-from ..engine import shared_catalog
 from ..engine.catalog.allocator import BlockAllocator
 from ..engine.catalog.catalog import Catalog
+from ..engine.catalog.shared import catalog as shared_catalog
 
 
 class FreeListAllocator:

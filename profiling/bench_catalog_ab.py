@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from ..engine import shared_catalog
+from ..engine.catalog.shared import catalog as shared_catalog
 
 BLOCK = 4096
 
@@ -36,7 +36,10 @@ def _import_base(base: str):
     os.symlink(os.path.join(os.path.abspath(base), "ecoffload"),
                os.path.join(alias, "ecoffload_base"))  # fmt: skip
     sys.path.insert(0, alias)
-    return importlib.import_module("ecoffload_base.engine.shared_catalog")
+    try:  # where it lives since issue 28's move, or before it
+        return importlib.import_module("ecoffload_base.engine.catalog.shared.catalog")
+    except ModuleNotFoundError:
+        return importlib.import_module("ecoffload_base.engine.shared_catalog")
 
 
 def _filled(module, keys: list[str], resident: int, directory: str | None):

@@ -175,7 +175,7 @@ def test_the_catalog_a_b_bench_compares_two_checkouts_operation_by_operation(tmp
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "ecoffload").symlink_to(root)  # this checkout against itself
     base = bench_catalog_ab._import_base(str(tmp_path / "base"))
-    assert base.__name__ == "ecoffload_base.engine.shared_catalog"
+    assert base.__name__ == "ecoffload_base.engine.catalog.shared.catalog"
     assert base.SharedCatalog is not bench_catalog_ab.shared_catalog.SharedCatalog
     rows = bench_catalog_ab.compare(base, resident=256, rounds=2)
     assert [op for op, *_ in rows] == [

@@ -78,7 +78,7 @@ def test_promises_vllm_did_not_schedule_are_released_in_one_round_trip(sched, mo
 
 def test_a_save_step_ships_each_reservation_s_blocks_in_the_save_table(sched):
     schedule(sched, make_request("r", [("x", 5), ("y", 70)]))
-    reserved = [entry for _, _, entry in sched.side._saves.values()]
+    reserved = list(sched.side._saves.values())
     meta = via_pickle(sched.build_connector_meta(SchedulerOutput.make_empty()))
     # fresh reservations, shipped once: one pass over their extents, no array per entry
     assert len(reserved) == 2 and not any("extent_array" in vars(e) for e in reserved)

@@ -108,7 +108,7 @@ def test_a_host_without_a_compiler_installs_with_a_warning_and_serves(tmp_path, 
     assert out.returncode == 0, out.stderr[-2000:]
     for module in ("kernels._plan_native", "engine.catalog.shared._catalog_native"):
         assert f'building extension "ecoffload.{module}" failed' in out.stdout + out.stderr
-        assert not list(site.glob(f"ecoffload/{module.replace('.', '/')}*"))
+        assert not list(site.glob(f"ecoffload/{module.replace('.', '/')}*.so"))  # its stub only
     code = (
         "import logging, sys, torch\n"
         # This venv's editable install of the repository would answer for the module

@@ -242,6 +242,9 @@ class AliasArena:
     def covers(self, table):
         return all(start + count <= 8 for start, count in table)
 
+    def host_tensor(self):
+        return self.host
+
     def device_view(self, device):
         self.views.append(device)
         return self.alias

@@ -156,7 +156,7 @@ def _print_rm(report: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``ecoffload`` console script."""
-    parser = argparse.ArgumentParser(prog="ecoffload", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="ecoffload", description=(__doc__ or "").split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     cmd = sub.add_parser("arenas", help="every arena in a directory")
     cmd.add_argument("directory", nargs="?", default=DEFAULT_DIR)

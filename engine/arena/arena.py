@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import torch
 
 from ..base.errors import ArenaError, ArenaExistsError, ArenaStaleError
-from ..base.liveness import process_start_time
+from ..base.liveness import ProcessId, process_start_time
 from .format import (
     ANY_LAYOUT,
     DEFAULT_DIR,
@@ -226,7 +226,7 @@ class Arena(SharedLifetime, RegisteredArena):
             # died mid-way from one still pre-faulting; the magic goes last.
             header = Header(
                 b"\0" * 8, FORMAT_VERSION, HEADER_BYTES, block_bytes, num_blocks, data_offset,
-                os.getpid(), process_start_time(os.getpid()) or 0,
+                *ProcessId.of_this_process(),
                 int.from_bytes(os.urandom(8), "little"), processes, 1, len(key), 0, 0,
             )  # fmt: skip
             HEADER.pack_into(mm, 0, *header)

@@ -47,7 +47,7 @@ class HostRegistration:
         """Register ``nbytes`` at ``host_ptr`` now, or (``defer``) chunk by chunk through
         :meth:`register` as the arena's pages become ready. ``device_index``: the
         device every registering thread makes current (default: the caller's)."""
-        import cupy  # optional dependency: extras cuda12 / cuda13
+        import cupy  # pyright: ignore[reportMissingImports]  (extras cuda12 / cuda13)
 
         self._cupy = cupy
         self.host_ptr, self.nbytes = host_ptr, nbytes

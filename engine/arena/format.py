@@ -106,7 +106,7 @@ def write_lifetime(buf, lifetime: int) -> None:
     _LIFETIME.pack_into(buf, LIFETIME_OFFSET, lifetime)
 
 
-def read_ready(mm: mmap.mmap, nbytes: int) -> int:
+def read_ready(mm: mmap.mmap | bytes, nbytes: int) -> int:
     """The ready prefix in bytes, at most ``nbytes`` (a value read twice alike)."""
     while True:  # the creator may be writing it
         first = _READY.unpack_from(mm, READY_OFFSET)[0]
@@ -187,7 +187,7 @@ def check_header(
     """Check a written header against the opener's expectations and the file's size
     (:class:`ArenaLayoutMismatch` naming the first field that differs)."""
     h = read_header(mm)
-    checks = [
+    checks: list[tuple[str, object, object]] = [
         ("format_version", FORMAT_VERSION, h.version),
         ("header_bytes", HEADER_BYTES, h.header_bytes),
     ]
@@ -195,7 +195,7 @@ def check_header(
         checks.append(("block_bytes", block_bytes, h.block_bytes))
     if num_blocks is not None:
         checks.append(("num_blocks", num_blocks, h.num_blocks))
-    if layout_key is not ANY_LAYOUT:
+    if not isinstance(layout_key, _AnyLayout):  # ANY_LAYOUT, the one instance
         found_key = bytes(mm[KEY_OFFSET : KEY_OFFSET + min(h.key_len, MAX_LAYOUT_KEY_BYTES)])
         checks.append(
             (

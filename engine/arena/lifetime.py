@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from ..base.errors import ArenaAttachTimeout, ArenaError, ArenaExistsError, ArenaLayoutMismatch
-from ..base.liveness import alive, process_start_time
+from ..base.liveness import ProcessId, alive
 from .format import (
     ANY_LAYOUT,
     ATTACHED_OFFSET,
@@ -74,7 +74,8 @@ from .state import ArenaState
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-log = logging.getLogger(__package__ + ".arena")  # the arena's messages, whichever part logs them
+# the arena's messages, whichever part logs them
+log = logging.getLogger("ecoffload.engine.arena.arena")
 
 
 class SharedLifetime(ArenaState):
@@ -335,7 +336,7 @@ class SharedLifetime(ArenaState):
 
     def attached_processes(self) -> int:
         """How many processes have mapped the arena so far (creator included)."""
-        return read_count(self._mm, ATTACHED_OFFSET)
+        return read_count(self._mapping(), ATTACHED_OFFSET)
 
     def claim_ownership(self) -> None:
         """Record this process as the arena's one catalog owner, or refuse.
@@ -345,26 +346,26 @@ class SharedLifetime(ArenaState):
         (vLLM's scheduler) owns the arena; another process claiming it while the
         owner lives gets an ArenaError.
         """
-        me = (os.getpid(), process_start_time(os.getpid()) or 0)
+        me = ProcessId.of_this_process()
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            owner = OWNER.unpack_from(self._mm, OWNER_OFFSET)
+            owner = OWNER.unpack_from(self._mapping(), OWNER_OFFSET)
             if owner[0] and owner != me and alive(*owner):
                 raise ArenaError(
                     f"arena {self.path} already has a catalog owner (process {owner[0]}): "
                     "every serving instance, and every data-parallel rank, needs its own "
                     "arena_name"
                 )
-            OWNER.pack_into(self._mm, OWNER_OFFSET, *me)
+            OWNER.pack_into(self._mapping(), OWNER_OFFSET, *me)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _count_attach(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_EX)  # read-modify-write across processes
         try:
-            expected = read_count(self._mm, PROCESSES_OFFSET)
+            expected = read_count(self._mapping(), PROCESSES_OFFSET)
             attached = min(self.attached_processes() + 1, 0xFFFFFFFF)  # a counter, saturated
-            write_count(self._mm, ATTACHED_OFFSET, attached)
+            write_count(self._mapping(), ATTACHED_OFFSET, attached)
             if expected and attached >= expected:
                 self._unlink()
         finally:

@@ -30,7 +30,8 @@ import time
 from ..base.errors import ArenaError
 from .format import write_ready
 
-log = logging.getLogger(__package__ + ".arena")  # the arena's messages, whichever part logs them
+# the arena's messages, whichever part logs them
+log = logging.getLogger("ecoffload.engine.arena.arena")
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 POPULATE_CHUNK = 128 << 20  # ~0.1 s of faulting: the first blocks are ready at once

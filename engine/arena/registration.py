@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..base.errors import ArenaError
@@ -25,7 +26,8 @@ from .cuda_host import REGISTER_CHUNK_BYTES, HostRegistration
 from .format import PopulateMode, RegisterMode, read_ready
 from .state import ArenaState
 
-log = logging.getLogger(__package__ + ".arena")  # the arena's messages, whichever part logs them
+# the arena's messages, whichever part logs them
+log = logging.getLogger("ecoffload.engine.arena.arena")
 
 REGISTER_SPAN = 1 << 30  # largest single cudaHostRegister while following the prefix
 
@@ -97,7 +99,9 @@ class Registrar:
             return False
         return True
 
-    def covers(self, extents: Sequence[tuple[int, int]], block_bytes: int) -> bool:
+    def covers(
+        self, extents: Sequence[tuple[int, int]] | np.ndarray, block_bytes: int
+    ) -> bool:
         """Whether every block of ``extents`` lies in a registered span."""
         end, failed = self.end, self.failed  # end first: every failed span below it is listed
         if self.alias is None:
@@ -147,7 +151,7 @@ class RegisteredArena(ArenaState):
         r = self._registrar
         return 0.0 if r is None else r.registered_bytes / self.nbytes
 
-    def covers(self, extents: Sequence[tuple[int, int]]) -> bool:
+    def covers(self, extents: Sequence[tuple[int, int]] | np.ndarray) -> bool:
         """Whether the device alias may touch every block of ``extents`` in this process
         (every block lies in a chunk it registered); else copy them through :attr:`host`."""
         r = self._registrar
@@ -175,13 +179,13 @@ class RegisteredArena(ArenaState):
 
         try:
             self._registration = HostRegistration(
-                self.host.data_ptr(), self.nbytes, defer=True,
+                self.host_tensor().data_ptr(), self.nbytes, defer=True,
                 device_index=torch.cuda.current_device(),  # torch's, for background threads too
             )  # fmt: skip
         except Exception as exc:
             self._registration_failed(mode, exc)
             return
-        mm, nbytes = self._mm, self.nbytes
+        mm, nbytes = self._mapping(), self.nbytes
         if mode != "always" and populate != "eager":
             self._registrar = Registrar(self._registration, nbytes, self.path, REGISTER_SPAN)
             self._registrar.start(lambda: read_ready(mm, nbytes))

@@ -15,6 +15,7 @@ import mmap
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from ..base.errors import ArenaError
 from .format import PopulateMode, RegisterMode
 from .populate import Populator
 
@@ -45,8 +46,21 @@ class ArenaState:
     device: torch.Tensor | None  # the CUDA alias of host, or None
     _populator: Populator | None  # this process's pre-faulting threads
 
+    def _mapping(self) -> mmap.mmap:
+        """The file's mapping, for the parts that read or write its header."""
+        if self._mm is None:
+            raise ArenaError(f"arena {self.path} is closed")
+        return self._mm
+
+    def host_tensor(self) -> torch.Tensor:
+        """:attr:`host` of an open arena (ArenaError once closed)."""
+        if self.host is None:
+            raise ArenaError(f"arena {self.path} is closed")
+        return self.host
+
     if TYPE_CHECKING:
         # arena.py
+        def __init__(self, path: str, fd: int, mm: mmap.mmap, *, created: bool) -> None: ...
         @classmethod
         def _new(
             cls,

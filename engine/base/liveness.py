@@ -11,7 +11,9 @@ import it.
 
 from __future__ import annotations
 
+import os
 import struct
+from typing import NamedTuple
 
 
 def process_start_time(pid: int) -> int | None:
@@ -22,6 +24,18 @@ def process_start_time(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat_line.rsplit(b")", 1)[1].split()[19])  # field 22: starttime
+
+
+class ProcessId(NamedTuple):
+    """A process as ecoffload records it: its pid and start time (0: not known)."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of_this_process(cls) -> ProcessId:
+        pid = os.getpid()
+        return cls(pid, process_start_time(pid) or 0)
 
 
 def alive(pid: int, start: int, cache: dict | None = None) -> bool:

@@ -33,7 +33,7 @@ class Extent(NamedTuple):
     """``count`` consecutive blocks starting at block ``start``."""
 
     start: int
-    count: int
+    count: int  # pyright: ignore[reportIncompatibleMethodOverride]  (not tuple.count, never used)
 
 
 def blocks_for(nbytes: int, block_bytes: int) -> int:

@@ -30,7 +30,7 @@ checks that their signatures accept every call the protocol allows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from .catalog import CatalogStats, Entry, ItemState
@@ -39,8 +39,11 @@ from .catalog import CatalogStats, Entry, ItemState
 class AllocatorView(Protocol):
     """What callers read of a catalog's blocks (``catalog.allocator``)."""
 
-    num_blocks: int
-    block_bytes: int
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int: ...
 
     @property
     def free_blocks(self) -> int: ...
@@ -57,7 +60,8 @@ class AllocatorView(Protocol):
 class CatalogProtocol(Protocol):
     """An index of the items in one arena: states, pins, LRU eviction (see the module)."""
 
-    allocator: AllocatorView
+    @property
+    def allocator(self) -> AllocatorView: ...
 
     def __len__(self) -> int: ...
 
@@ -67,7 +71,7 @@ class CatalogProtocol(Protocol):
 
     def entry(self, key: str) -> Entry: ...
 
-    def entries(self) -> list[Entry]: ...
+    def entries(self) -> Sequence[Entry]: ...
 
     def reserve(
         self, key: str, nbytes: int, dtype: str = "uint8", shape: tuple[int, ...] = ()
@@ -83,7 +87,7 @@ class CatalogProtocol(Protocol):
 
     def unpin(self, key: str) -> None: ...
 
-    def pin_many(self, keys: list[str]) -> list[Entry]: ...
+    def pin_many(self, keys: list[str]) -> Sequence[Entry]: ...
 
     def unpin_many(self, keys: list[str]) -> None: ...
 

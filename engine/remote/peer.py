@@ -228,7 +228,7 @@ class ArenaPeer:
         self._live: set[PullHandle] = set()  # posted and not settled
         self._reg = self._window_reg = None
         self.window: ExportWindow | None = None
-        self._agent = None
+        self._agent: Any = None  # NIXL's nixl_agent once created
         self.host = host or outward_ip()
         # UCX settings, NIXL's "engine_config" (key=value, comma-separated; an operator's
         # UCX_* environment wins). No SysV shared memory: its segments are mode 0660, so
@@ -270,14 +270,18 @@ class ArenaPeer:
                 [(self.window.base, self.window.nbytes, 0, "")], "DRAM"
             )
 
-    def card(self) -> PeerCard:
-        """The geometry of this peer's export window (raises without one)."""
+    def export_window(self) -> ExportWindow:
+        """This peer's export window (RemotePeerError without one)."""
         if self.window is None:
             raise RemotePeerError(
                 f"{self.name!r} has no export window, so nothing of it can be read: create "
                 "it with export_bytes > 0 to announce items"
             )
-        w = self.window
+        return self.window
+
+    def card(self) -> PeerCard:
+        """The geometry of this peer's export window (raises without one)."""
+        w = self.export_window()
         return PeerCard(self.name, w.base, w.block_bytes, w.num_blocks)
 
     def metadata(self) -> bytes:

@@ -318,13 +318,14 @@ class SharedCatalog(
         fast = self._fast
         if fast is not None:  # C: a seen READY entry, mutex free, catalog clean (else 0)
             got = fast.hit(key, pin)
-            if got.__class__ is not int:
+            if not isinstance(got, int):
                 self.local.hits += 1
                 return got
             if got:  # a dead holder's mutex (released for the Python way), or raises
                 self._native_lock(got)
         w = self._enter(False)  # a hit marks dirty only for what it relinks
         try:
+            s = b = -1
             entry = self._seen.get(key)
             if entry is not None:  # seen READY: still the same reservation, still READY?
                 s = entry.slot

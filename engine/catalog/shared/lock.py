@@ -31,14 +31,14 @@ import time
 import weakref
 
 from ...base.errors import CatalogLockError
-from ...base.liveness import process_start_time
+from ...base.liveness import ProcessId
 from . import robust_mutex
 from .format import H_DIRTY, H_LOCK_DEATHS, MUTEX_AT
 from .robust_mutex import FUTEX_TID_MASK, GLIBC, Timespec
 from .state import CatalogState
 
 # the catalog's messages, whichever part logs them
-log = logging.getLogger(__package__ + ".catalog")
+log = logging.getLogger("ecoffload.engine.catalog.shared.catalog")
 
 _WAIT_SLICE_S = 0.2  # a blocked locker returns to Python this often (signals, warnings)
 _WAIT_WARN_S = 10.0  # then every minute
@@ -66,8 +66,7 @@ class LockProtocol(CatalogState):
     def _identify(self) -> None:
         """Who this process is (pid, start time), for dirty marks, pins and reservations:
         at open and again in a forked child (the mutex needs no new descriptor)."""
-        pid = os.getpid()
-        self._pid, self._start = pid, process_start_time(pid) or 0
+        self._pid, self._start = ProcessId.of_this_process()
         fast = self.__dict__.get("_fast")  # bound after the layout is read
         if fast is not None:
             fast.identify(self._pid, self._start)
@@ -141,6 +140,7 @@ class LockProtocol(CatalogState):
         mx, t0 = self._mx, time.monotonic()
         warn_at = t0 + _WAIT_WARN_S
         pt, pt_wait = robust_mutex.PT, robust_mutex.PT_WAIT
+        assert pt is not None and pt_wait is not None, "no catalog opens without them"
         try:
             while rc == errno.EBUSY or rc == errno.ETIMEDOUT:
                 until = time.time() + _WAIT_SLICE_S

@@ -28,13 +28,14 @@ import logging
 import os
 import threading
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..catalog import ItemState
 from . import fault_points
 from . import format as fmt
 
 if TYPE_CHECKING:
+    from ._catalog_native import HitPath  # its stub (_catalog_native.pyi)
     from .state import CatalogState
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def forget() -> None:
         _loaded.clear()
 
 
-def hit_path(catalog: CatalogState) -> Any | None:
+def hit_path(catalog: CatalogState) -> HitPath | None:
     """The C fast paths over ``catalog``'s region (bound: ``_w``, ``_seen``, layout, owner),
     or None when disabled, not built or refused."""
     mod = module() if enabled() else None

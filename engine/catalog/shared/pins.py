@@ -45,12 +45,13 @@ class Pins(CatalogState):
         fast = self._fast
         if fast is not None:  # C: a seen READY entry, mutex free, catalog clean (else 0)
             got = fast.pin(key)
-            if got.__class__ is not int:
+            if not isinstance(got, int):
                 return got
             if got:  # a dead holder's mutex (released for the Python way), or raises
                 self._native_lock(got)
         w = self._enter()
         try:
+            s = -1
             entry = self._seen.get(key)
             if entry is not None:  # seen READY: still the same reservation, still READY?
                 s = entry.slot
@@ -83,7 +84,7 @@ class Pins(CatalogState):
             entry = self._seen.get(key)
             s = -1 if entry is None else entry.slot
             b = self._sl + s * SLOT_WORDS
-            if s < 0 or w[b + S_GEN] != entry.generation or w[b + S_STATE] != READY:
+            if entry is None or w[b + S_GEN] != entry.generation or w[b + S_STATE] != READY:
                 s = self._expect(key, READY, "unpin")
             pn, pid, start = self._pn, self._pid, self._start
             r = w[self._sl + s * SLOT_WORDS + S_PIN_HEAD]
@@ -173,6 +174,7 @@ class Pins(CatalogState):
         w, b, pn = self._w, self._sl + s * SLOT_WORDS, self._pn
         pid, start = self._pid, self._start
         head = r = w[b + S_PIN_HEAD]
+        p = -1
         while r >= 0:  # this process's record, if it pins the item already
             p = pn + r * PIN_WORDS
             if w[p + P_PID] == pid and w[p + P_START] == start:

@@ -75,7 +75,7 @@ from .format import (
 from .state import CatalogState
 
 # the catalog's messages, whichever part logs them
-log = logging.getLogger(__package__ + ".catalog")
+log = logging.getLogger("ecoffload.engine.catalog.shared.catalog")
 
 
 class Recovery(CatalogState):
@@ -294,7 +294,7 @@ class Recovery(CatalogState):
         for _, s in sorted(ready):
             self._lru_append(s)
         # Free extents: the complement of the owned blocks.
-        per_block = np.frombuffer(self._mm, dtype=np.int32, count=6 * n,
+        per_block = np.frombuffer(self._mapping(), dtype=np.int32, count=6 * n,
                                   offset=lay.blocks_at).reshape(6, n)  # fmt: skip
         per_block[2] = 0  # free size at start
         per_block[3] = -1  # free start at end

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from ...arena.arena import Arena
 
 # the catalog's messages, whichever part logs them
-log = logging.getLogger(__package__ + ".catalog")
+log = logging.getLogger("ecoffload.engine.catalog.shared.catalog")
 
 
 class CatalogRegion(CatalogState):
@@ -210,10 +210,11 @@ class CatalogRegion(CatalogState):
             self.close()
 
     def _format(self, lay: Layout, ready_blocks: int) -> None:
-        w = memoryview(self._mm).cast("q")
+        mm = self._mapping()
+        w = memoryview(mm).cast("q")
         try:
             w[H_MAGIC] = 0
-            self._mm[: lay.nbytes] = bytes(lay.nbytes)
+            mm[: lay.nbytes] = bytes(lay.nbytes)
             for i, v in ((H_VERSION, VERSION), (H_META_BYTES, lay.nbytes),
                          (H_NUM_BLOCKS, lay.num_blocks), (H_BLOCK_BYTES, lay.block_bytes),
                          (H_MAX_ITEMS, lay.max_items), (H_MAX_KEY, lay.max_key_bytes),
@@ -237,8 +238,9 @@ class CatalogRegion(CatalogState):
             raise ArenaLayoutMismatch(self.path, "catalog meta_bytes", lay.nbytes,
                                       w[H_META_BYTES])  # fmt: skip
         n = lay.num_blocks
-        self._i = memoryview(self._mm)[lay.blocks_at : lay.blocks_at + 24 * n].cast("i")
-        self._k = memoryview(self._mm)[lay.keys_at : lay.pins_at]
+        mm = self._mapping()
+        self._i = memoryview(mm)[lay.blocks_at : lay.blocks_at + 24 * n].cast("i")
+        self._k = memoryview(mm)[lay.keys_at : lay.pins_at]
         # Per-block int32 arrays are offsets into one view: count/next of item
         # extents, free size at start / free start at end / next / prev.
         self._ec, self._en, self._fs, self._fe, self._fn, self._fp = (k * n for k in range(6))

@@ -65,6 +65,7 @@ def init_mutex(mx: ctypes.c_void_p, path: str) -> None:
     Only while nobody can hold it (the catalog's open lock is held)."""
     attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t: 4 or 8 bytes
     pt = PT
+    assert pt is not None, "a catalog opens only where the C library has the mutex"
     for what, call in (
         ("mutexattr_init", lambda: pt.pthread_mutexattr_init(attr)),
         ("mutexattr_setpshared",

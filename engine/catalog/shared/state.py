@@ -15,11 +15,15 @@ from __future__ import annotations
 import ctypes
 import mmap
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ...base.errors import CatalogError
 from ..allocator import Extent
 from ..catalog import CatalogStats
 from .format import Layout, SharedEntry
+
+if TYPE_CHECKING:
+    from ._catalog_native import HitPath  # its stub (_catalog_native.pyi)
 
 
 class CatalogState:
@@ -49,10 +53,16 @@ class CatalogState:
     _seen: dict[str, SharedEntry]  # key -> the entry this object saw READY
     _last_reap: float  # monotonic time of the last sweep for dead owners
     _ready_of: Callable[[], int] | None  # the arena's ready blocks (follow_ready)
-    _fast: Any  # native.py's HitPath (C hits, pins, unpins), or None
+    _fast: HitPath | None  # the C hits, pins and unpins (native.py), or None
     # lock.py: this process, as recorded in dirty marks, pins and reservations
     _pid: int
     _start: int
+
+    def _mapping(self) -> mmap.mmap:
+        """The region's mapping, for the parts that view it whole."""
+        if self._mm is None:
+            raise CatalogError(f"the catalog of {self.path} is closed")
+        return self._mm
 
     if TYPE_CHECKING:
         # lock.py
@@ -70,6 +80,7 @@ class CatalogState:
         def _remember(self, key: str, entry: SharedEntry) -> None: ...
         def _expect(self, key: str, state: int | None, op: str) -> int: ...
         def _blocks_for(self, nbytes: int) -> int: ...
+        def stats(self) -> CatalogStats: ...
 
         # pins.py
         def _pin_slot(self, s: int, key: str) -> int: ...
