@@ -28,6 +28,7 @@ from test_catalog import B, open_shared
 from test_shared_catalog import reopen
 
 from ecoffload.engine.arena.arena import Arena
+from ecoffload.engine.base import liveness
 from ecoffload.engine.base.errors import ArenaLayoutMismatch, CatalogLockError
 from ecoffload.engine.base.liveness import boot_id, process_start_time
 from ecoffload.engine.catalog.catalog import ItemState
@@ -589,7 +590,7 @@ def test_items_name_this_process_by_pid_and_start_time(tmp_path, monkeypatch):
     assert start
     c.reserve("x", B)
     assert c.entry("x").producer == (os.getpid(), start)
-    monkeypatch.setattr(shared_catalog_lock, "process_start_time", lambda pid: None)
+    monkeypatch.setattr(liveness, "process_start_time", lambda pid: None)
     d = reopen(tmp_path / "c")
     d.reserve("y", B)
     assert d.entry("y").producer == (os.getpid(), 0)
