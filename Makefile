@@ -69,7 +69,7 @@ soak: $(STAMP)
 # `vllm serve` with the connector, SIGINT under load five times (main process and
 # process group alternately): exits within 10 s, no request left waiting, no arena file left.
 serve-check: $(STAMP)
-	$(PY) -m ecoffload.profiling.vllm_serve --sigint-tries 5
+	$(PY) -m ecoffload.testing.vllm_serve --sigint-tries 5
 
 # Mutation testing (mutmut 3, the `mutate` extra) of the core modules, each against
 # its fast tests; kill rates and survivors are printed and kept in .mutate/ (see

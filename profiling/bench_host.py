@@ -148,7 +148,7 @@ def real_path_rows(repeat: int, directory: str) -> list[dict]:
     """OffloadCache.save (+ flush) and load per step, both catalogs, copies included (on a
     CPU host: the reference copy, torch slice copies); and the planning of the step the
     catalog made, beside the anchor planning the same tables."""
-    from .real_path_steps import CacheSteps
+    from ..testing.real_path_steps import CacheSteps
 
     rows = []
     for name, items, extents, block in REAL_CASES:
@@ -213,7 +213,7 @@ def scheduler_rows(repeat: int, directory: str, before: str | None = None) -> li
     """The connector's scheduler hooks per step (16 hits; 16 saves) on the shared catalog;
     with ``before`` (another checkout), its connector too, calls interleaved."""
     try:
-        from .real_path_steps import SchedulerSteps, mount_checkout
+        from ..testing.real_path_steps import SchedulerSteps, mount_checkout
 
         made = [SchedulerSteps(os.path.join(directory, "now"))]
         if before is not None:
@@ -254,7 +254,7 @@ def worker_rows(repeat: int, directory: str, before: str | None = None) -> list[
     loads; copies included: on a CPU host the reference copy); with ``before`` (another
     checkout), its connector too, steps interleaved."""
     try:
-        from .real_path_steps import SchedulerSteps, WorkerSteps, mount_checkout
+        from ..testing.real_path_steps import SchedulerSteps, WorkerSteps, mount_checkout
 
         modules = ["ecoffload.connector"]
         if before is not None:

@@ -42,7 +42,7 @@ from ..engine.arena.arena import Arena
 from ..engine.remote.export_window import ExportWindow
 from ..engine.remote.nixl_setup import load_nixl
 from ..engine.remote.peer import ArenaPeer, Pull, _pieces
-from .remote_producer import fill_arena
+from ..testing.remote_producer import fill_arena
 
 BLOCK = 64 << 10
 BLOCKS = 2048  # 128 MiB per arena
@@ -84,7 +84,7 @@ def median_s(fn, repeat: int) -> float:
 @contextlib.contextmanager
 def producer(directory: str, env: dict[str, str]):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ecoffload.profiling.remote_producer", directory, "bench-src",
+        [sys.executable, "-m", "ecoffload.testing.remote_producer", directory, "bench-src",
          str(BLOCK), str(BLOCKS), str(SEED)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env},
     )  # fmt: skip

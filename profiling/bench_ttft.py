@@ -45,9 +45,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..engine.base.sizes import format_bytes
-from .tiny_vlm import PRESETS, build_tiny_paligemma, geometry, image_token_id
-from .vllm_scenario import ec_transfer_config, make_images
-from .vllm_serve import (
+from ..testing.tiny_vlm import PRESETS, build_tiny_paligemma, geometry, image_token_id
+from ..testing.vllm_scenario import ec_transfer_config, make_images
+from ..testing.vllm_serve import (
     SERVED_NAME,
     Server,
     ServerError,

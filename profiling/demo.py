@@ -25,8 +25,9 @@ import importlib.util
 import statistics
 
 from ..engine.base.sizes import format_bytes
-from . import bench_ttft, engine_demo, vllm_scenario
-from .tiny_vlm import PRESETS
+from ..testing import vllm_scenario
+from ..testing.tiny_vlm import PRESETS
+from . import bench_ttft, engine_demo
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("kernels", "engine", "connector", "profiling")
+PACKAGES = ("kernels", "engine", "connector", "testing", "profiling", "tools")
 CONNECTOR_TESTS = [
     "tests/test_connector_contract.py",
     "tests/test_connector_inflight.py",

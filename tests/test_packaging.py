@@ -62,7 +62,7 @@ def test_wheel_holds_only_the_ecoffload_package(tmp_path):
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"ecoffload", wheel.split("-")[0] + "-" + wheel.split("-")[1] + ".dist-info"}
-    for sub in ("kernels", "engine", "connector", "profiling", "tools", "engine/base",
+    for sub in ("kernels", "engine", "connector", "testing", "profiling", "tools", "engine/base",
                 "engine/arena", "engine/catalog", "engine/catalog/shared", "engine/remote"):
         assert f"ecoffload/{sub}/__init__.py" in names
     assert "ecoffload/profiling/gpu_check.sh" in names

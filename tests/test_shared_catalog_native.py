@@ -151,7 +151,7 @@ def test_the_connectors_hit_step_takes_the_c_paths_for_every_hit_and_unpin(
     """Through vLLM's factory, as bench_host times it: 16 pinning lookups in C, and the
     worker's load report turned into 16 unpins in C; none sent the Python way."""
     pytest.importorskip("vllm")
-    from ecoffload.profiling.real_path_steps import SchedulerSteps
+    from ecoffload.testing.real_path_steps import SchedulerSteps
 
     monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")
     steps = SchedulerSteps(str(tmp_path / "sched"))

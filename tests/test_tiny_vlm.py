@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from ecoffload.connector import cpu_build
-from ecoffload.profiling.tiny_vlm import (
+from ecoffload.testing.tiny_vlm import (
     PRESETS,
     VOCAB_SIZE,
     build_tiny_paligemma,

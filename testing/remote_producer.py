@@ -8,7 +8,7 @@ and then one ``NOTIF <agent> <hex message>`` line per notification, until stdin
 closes.
 NIXL logs to stdout too: readers look for the prefixes.
 
-    python -m ecoffload.profiling.remote_producer DIR NAME BLOCK_BYTES NUM_BLOCKS SEED
+    python -m ecoffload.testing.remote_producer DIR NAME BLOCK_BYTES NUM_BLOCKS SEED
 
 A negative SEED leaves the arena zeroed.
 """

@@ -15,7 +15,7 @@ process group whatever happened::
         server.metrics()["vllm:ecoffload_items_loaded_total"]
         seconds = server.interrupt()    # SIGINT, as Ctrl-C in its terminal
 
-    python -m ecoffload.profiling.vllm_serve [--connector] [--images 4] [--repeats 2]
+    python -m ecoffload.testing.vllm_serve [--connector] [--images 4] [--repeats 2]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ fresh child process (vLLM keeps process-global connector state), on the
 embedded default: a tiny random PaliGemma built locally, on the CPU (or on
 the GPU when vLLM there is a CUDA build).
 
-    python -m ecoffload.profiling.vllm_scenario --connector [--multiprocess]
+    python -m ecoffload.testing.vllm_scenario --connector [--multiprocess]
 
 prints one JSON object: generated token ids per request, encoder runs,
 the connector's counters, time per request. Several instances can share
@@ -232,7 +232,7 @@ def _command(
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # collective_rpc of our counters
         PYTHONSAFEPATH="1",  # never import the repository's kernels/ as `kernels`
     )
-    cmd = [sys.executable, "-m", "ecoffload.profiling.vllm_scenario", "--json",
+    cmd = [sys.executable, "-m", "ecoffload.testing.vllm_scenario", "--json",
            "--model-dir", model_dir, "--arena-dir", arena_dir, "--role", role]  # fmt: skip
     for flag, on in (("--connector", connector), ("--multiprocess", multiprocess),
                      ("--persistent", persistent)):  # fmt: skip
