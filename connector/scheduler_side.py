@@ -183,7 +183,7 @@ class SchedulerSide:
             saves={key: SaveSpec(i, entry.nbytes, entry.generation)
                    for i, (key, entry) in enumerate(saves.items())},
             load_table=StepTable.of_entries([entry for _, entry in loads.values()]),
-            # fresh reservations, shipped once: one pass, not an array per entry (~2 us each)
+            # fresh reservations, shipped once: one pass, not an array made per entry
             save_table=StepTable.from_tables([entry.extents for entry in saves.values()]),
         )  # fmt: skip
         if loads or (saves and self._reports):

@@ -85,9 +85,10 @@ def step_tables(entries: list, *, fresh: bool = False) -> StepTable | list:
     """The block tables of a step's catalog entries as the planner reads them fastest.
 
     The entries' own ``Extent`` lists for a few extents (the C pass reads a few tuples
-    in less time than numpy takes to make arrays: ~5 us a call), and for ``fresh``
-    reservations (a save's, planned once) whenever the C pass is loaded: it reads 2,000
-    tuples in ~55 us, where flattening them into arrays in Python takes ~360. Otherwise
+    in less time than numpy takes to make arrays), and for ``fresh`` reservations (a
+    save's, planned once) whenever the C pass is loaded: it reads the tuples faster
+    than Python could flatten them into arrays (BENCHMARKS.md, "The save path's last
+    cuts"). Otherwise
     one :class:`StepTable` concatenating the entries' int64 arrays, each made once and
     kept by its entry (a load's entries live on in the catalog); for fresh reservations
     without the C pass (the numpy pass reads the table), one pass over their extents."""

@@ -67,7 +67,7 @@ class Entry:
         import numpy as np  # here: importing the catalog stays light
 
         # fromiter over the flattened pairs: np.array walks each Extent as a generic
-        # sequence (125 extents: 56 us against 13)
+        # sequence, several times slower (BENCHMARKS.md, "The save path's last cuts")
         flat = chain.from_iterable(self.extents)
         array = np.fromiter(flat, np.int64, count=2 * len(self.extents)).reshape(-1, 2)
         array.flags.writeable = False

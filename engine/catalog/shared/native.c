@@ -1,8 +1,7 @@
 /* The shared catalog's hot paths in C: a hit, a pin and an unpin of items this catalog
  * object has seen READY, over the same shared words the Python code reads and writes
- * (shared_catalog_format.py's layout), without the interpreter's cost per word
- * (~60 ns each from Python, ~40 of them per pinned hit) or the two ctypes calls of
- * the robust mutex.
+ * (format.py's layout), without the interpreter's cost per word (~40 of them per
+ * pinned hit) or the two ctypes calls of the robust mutex.
  *
  * Fast paths only. Each call either does exactly what the Python method does for
  * the usual case and returns its result, or writes nothing and answers an int:
