@@ -4,9 +4,10 @@
 A hit with pin, a pin and an unpin of an item the catalog object has seen READY
 cost ~40 reads and writes of shared words and two ctypes calls of the robust mutex
 from Python; the extension module ``ecoffload.engine.catalog.shared._catalog_native``
-does the same work in C, several times faster (BENCHMARKS.md, "Shared catalog"). It answers only the usual case (mutex free, catalog clean, the
-entry still the reservation seen, a pin record at hand) and otherwise writes
-nothing and sends the call the Python way, which handles everything else.
+does the same work in C, several times faster (BENCHMARKS.md, "Shared catalog"). It
+answers only the usual case (mutex free, catalog clean, the entry still the
+reservation seen, a pin record at hand) and otherwise writes nothing and sends the
+call the Python way, which handles everything else.
 It is never used while ``fault_points.hook`` is set.
 
 The module exports the word offsets it was compiled with (``LAYOUT``); it is
