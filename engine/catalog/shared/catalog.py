@@ -318,11 +318,11 @@ class SharedCatalog(
         fast = self._fast
         if fast is not None:  # C: a seen READY entry, mutex free, catalog clean (else 0)
             got = fast.hit(key, pin)
-            if not isinstance(got, int):
+            if got.__class__ is not int:  # the entry (isinstance costs more than the check)
                 self.local.hits += 1
-                return got
+                return got  # pyright: ignore[reportReturnType]  (not an int: the entry)
             if got:  # a dead holder's mutex (released for the Python way), or raises
-                self._native_lock(got)
+                self._native_lock(got)  # pyright: ignore[reportArgumentType]  (an int here)
         w = self._enter(False)  # a hit marks dirty only for what it relinks
         try:
             s = b = -1

@@ -45,10 +45,10 @@ class Pins(CatalogState):
         fast = self._fast
         if fast is not None:  # C: a seen READY entry, mutex free, catalog clean (else 0)
             got = fast.pin(key)
-            if not isinstance(got, int):
-                return got
+            if got.__class__ is not int:  # the entry (isinstance costs more than the check)
+                return got  # pyright: ignore[reportReturnType]  (not an int: the entry)
             if got:  # a dead holder's mutex (released for the Python way), or raises
-                self._native_lock(got)
+                self._native_lock(got)  # pyright: ignore[reportArgumentType]  (an int here)
         w = self._enter()
         try:
             s = -1
