@@ -227,8 +227,9 @@ def mount_checkout(path: str, name: str = "ecoffload_before") -> str:
     atexit.register(shutil.rmtree, root, True)  # only symlinks: nothing of the checkout goes
     package = os.path.join(root, name)
     os.mkdir(package)
-    for sub in ("kernels", "engine", "connector", "profiling"):
-        os.symlink(os.path.abspath(os.path.join(path, sub)), os.path.join(package, sub))
+    for sub in ("kernels", "engine", "connector", "testing", "profiling"):
+        if os.path.isdir(os.path.join(path, sub)):  # testing/: since issue 28
+            os.symlink(os.path.abspath(os.path.join(path, sub)), os.path.join(package, sub))
     sys.path.insert(0, root)
     return name
 
