@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from . import native
-from .step_table import StepTable
+from .step_table import PlanError, StepTable, step_arrays
 
 Extents = Sequence[tuple[int, int]]
 Tables = Sequence[Extents] | StepTable  # per-item tables, or one step table (step_table.py)
@@ -70,10 +70,6 @@ Tables = Sequence[Extents] | StepTable  # per-item tables, or one step table (st
 MAX_VEC_BYTES = 16
 VECTORISE_FROM = 128  # extents per step from which numpy's whole-array passes pay
 VEC_WIDTHS = (1, 2, 4, 8, 16)  # every access width a plan can pick
-
-
-class PlanError(ValueError):
-    """A block table or item layout cannot be copied as given."""
 
 
 class CopyPlan(NamedTuple):
@@ -145,6 +141,14 @@ def plan_copy(
             return planned
     if num_programs <= 0:
         raise PlanError(f"num_programs must be positive, got {num_programs}")
+    if tile_bytes <= 0:  # no tile would advance (0), or the program count goes negative
+        raise PlanError(f"tile_bytes must be positive, got {tile_bytes}")
+    if arena_bytes < 0:
+        raise PlanError(f"arena_bytes must not be negative, got {arena_bytes}")
+    if step is not None:  # the arrays as the C pass reads them, bounds checked (mutable)
+        extents, bounds = step_arrays(step.extents, step.bounds)
+        tables = StepTable.__new__(StepTable)  # the loop below reads these arrays, no others
+        tables.extents, tables.bounds = extents, bounds
     if not (len(item_offsets) == len(tables) == len(item_nbytes)):
         raise PlanError(
             f"expected one offset and one block table per item, got {len(item_offsets)} "
@@ -157,7 +161,7 @@ def plan_copy(
     args = (item_offsets, item_nbytes, tables, block_bytes, arena_bytes // block_bytes,
             items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
     if step is not None:  # arrays already: numpy plans them whatever their size
-        segments = _segments_arrays(step.extents, np.diff(step.bounds), *args[:2], *args[3:])
+        segments = _segments_arrays(extents, np.diff(bounds), *args[:2], *args[3:])
     elif sum(map(len, tables)) >= VECTORISE_FROM:
         segments = _segments_vectorised(*args)
     else:
@@ -186,7 +190,7 @@ def plan_in_c(c_pass, item_offsets, item_nbytes, tables, block_bytes, arena_byte
     defaults: the host path of every step calls it (a keyword call of
     :func:`plan_copy` costs about a microsecond more)."""
     try:
-        if isinstance(tables, StepTable):  # the arrays, through the buffer protocol
+        if isinstance(tables, StepTable):  # the arrays, through the buffer protocol (C checks)
             planned = c_pass.plan_step(item_offsets, item_nbytes, tables.extents, tables.bounds,
                                        block_bytes, arena_bytes, items_bytes, tile_bytes,
                                        items_base, arena_base, num_programs)  # fmt: skip
