@@ -28,6 +28,9 @@
  * runs while the inputs are read and borrowed references stay valid); numpy
  * integers and other int-likes go to the Python passes.
  *
+ * check_step(extents, bounds, num_blocks) -> -1, the first extent outside, or None
+ *   what a worker checks of a step table it received (see check_step below).
+ *
  * item_layout(tensors) -> (lowest, offsets, sizes, span) or None
  *   api._item_layout's numbers for a list of tensors: the index of the
  *   lowest-addressed non-empty tensor (-1: none), each tensor's byte offset
@@ -349,6 +352,39 @@ done:
     return result;
 }
 
+/* check_step(extents, bounds, num_blocks): -1 when the step arrays are a step table's
+ * (plan_step's rules) and every extent lies inside an arena of num_blocks blocks; else
+ * the index of the first extent that does not; None when the arrays are not a step
+ * table's (step_table.py then names what is wrong). What a worker checks of the tables
+ * it receives, before any copy: one pass over the arrays. */
+static PyObject *check_step(PyObject *self, PyObject *args) {
+    PyObject *extents, *bounds;
+    long long num_blocks;
+    if (!PyArg_ParseTuple(args, "OOL", &extents, &bounds, &num_blocks)) return NULL;
+    Py_buffer ev, bv;
+    PyObject *result = Py_None;
+    Py_ssize_t pairs = int64_buffer(extents, &ev, 2), edges = int64_buffer(bounds, &bv, 1);
+    if (pairs < 0 || edges < 1) goto done;
+    const int64_t *ext = ev.buf, *b = bv.buf;
+    Py_ssize_t n = pairs / 2, bad = -1;
+    if (b[0] != 0 || b[edges - 1] != n) goto done;
+    for (Py_ssize_t i = 1; i < edges; i++)
+        if (b[i] < b[i - 1]) goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t start = ext[2 * k], count = ext[2 * k + 1];
+        if (start < 0 || start >= num_blocks || count <= 0 || count > num_blocks - start) {
+            bad = k;
+            break;
+        }
+    }
+    result = PyLong_FromSsize_t(bad);
+done:
+    if (ev.obj != NULL) PyBuffer_Release(&ev);
+    if (bv.obj != NULL) PyBuffer_Release(&bv);
+    if (result == Py_None) Py_INCREF(Py_None);
+    return result;
+}
+
 static PyObject *s_data_ptr, *s_nbytes, *s_is_contiguous;  /* interned names */
 /* torch.Tensor's (once found): the type, two methods, the nbytes getter, and
  * torch._C._is_torch_function_mode_enabled. */
@@ -458,6 +494,8 @@ static PyMethodDef methods[] = {
     {"plan_step", plan_step, METH_VARARGS,
      "The copy plan of one launch from int64 step arrays, or None (see plan_native.c)."},
     {"item_layout", item_layout, METH_O, "Where a list of tensors lie, or None (see plan_native.c)."},
+    {"check_step", check_step, METH_VARARGS,
+     "The first extent of a step table outside the arena, -1, or None (see plan_native.c)."},
     {NULL, NULL, 0, NULL},
 };
 

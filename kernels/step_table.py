@@ -29,6 +29,8 @@ from itertools import accumulate, chain
 
 import numpy as np
 
+from . import native
+
 
 class PlanError(ValueError):
     """A block table or item layout cannot be copied as given (``plan.PlanError``)."""
@@ -136,6 +138,25 @@ class StepTable(Sequence):
         np.cumsum([len(p) for p in picked], out=bounds[1:])
         extents = np.concatenate(picked) if picked else np.empty((0, 2), np.int64)
         return StepTable._made(extents, bounds)
+
+    def check(self, num_blocks: int) -> None:
+        """Raise PlanError unless the arrays are a step table's and every extent lies inside
+        an arena of ``num_blocks`` blocks: what a worker checks of the tables it receives,
+        before any copy (one pass over the arrays, in the planner's C pass where built)."""
+        c_pass = native.planner()
+        bad = c_pass.check_step(self.extents, self.bounds, num_blocks) if c_pass else None
+        if bad is None:  # no C pass, or arrays it cannot read: numpy, naming what is wrong
+            extents, _ = step_arrays(self.extents, self.bounds)
+            starts, counts = extents[:, 0], extents[:, 1]
+            outside = (starts < 0) | (starts >= num_blocks) | (counts <= 0)
+            outside |= counts > num_blocks - starts
+            bad = int(np.argmax(outside)) if outside.any() else -1
+        if bad >= 0:
+            raise PlanError(
+                f"extent {bad} {tuple(self.extents[bad].tolist())} of a step table is not "
+                f"inside the arena's blocks [0, {num_blocks}): block tables must come from "
+                "this arena's catalog"
+            )
 
     def extents_of(self, item: int) -> np.ndarray:
         """int64 [k, 2]: item ``item``'s extents (a view)."""
