@@ -29,9 +29,10 @@ import os
 import threading
 import time
 import weakref
+from typing import NoReturn
 
 from . import robust_mutex
-from .errors import CatalogLockError
+from .errors import CatalogCorruptError, CatalogLockError
 from .liveness import process_start_time
 from .robust_mutex import FUTEX_TID_MASK, GLIBC, Timespec
 from .shared_catalog_format import H_DIRTY, H_LOCK_DEATHS, MUTEX_AT
@@ -88,6 +89,19 @@ class LockProtocol:
         if update:
             w[H_DIRTY] = self._pid
         return w
+
+    def _corrupt(self, what: str) -> NoReturn:
+        """A word read under the lock is impossible (``what``: which, and its value): it is
+        never followed. Rebuild every derived structure from the slot table now (as a
+        locker finding the catalog dirty would; bounded, whatever the words) and raise
+        CatalogCorruptError, so the caller's ``_exit`` leaves a consistent catalog."""
+        self._w[H_DIRTY] = self._pid
+        log.error("catalog %s: %s; rebuilding it from its slot table", self.path, what)
+        self._recover()
+        raise CatalogCorruptError(
+            f"catalog {self.path}: {what} (a stray write, or a writer's bug); it was rebuilt "
+            "from its slot table: retry the operation"
+        )
 
     def _exit(self, clean: bool = True) -> None:
         """Leave what :meth:`_enter` began: ``clean`` clears the dirty mark (the update
