@@ -212,6 +212,7 @@ static PyObject *plan_step_core(const step_t *st, const params_t *pr) {
         int64_t take = rows[4 * k + 2], body = take & ~(vec - 1);
         int64_t whole = tile_shift >= 0 ? body >> tile_shift : body / tile_bytes;
         rows[4 * k + 3] = tiles;
+        /* (at most one tile per byte: tiles <= total <= arena_bytes, no overflow) */
         tiles += whole + (body != whole * tile_bytes) + (take != body);
     }
 
