@@ -70,6 +70,7 @@ Tables = Sequence[Extents] | StepTable  # per-item tables, or one step table (st
 MAX_VEC_BYTES = 16
 VECTORISE_FROM = 128  # extents per step from which numpy's whole-array passes pay
 VEC_WIDTHS = (1, 2, 4, 8, 16)  # every access width a plan can pick
+_I64_MAX = (1 << 63) - 1
 
 
 class CopyPlan(NamedTuple):
@@ -145,6 +146,11 @@ def plan_copy(
         raise PlanError(f"tile_bytes must be positive, got {tile_bytes}")
     if arena_bytes < 0:
         raise PlanError(f"arena_bytes must not be negative, got {arena_bytes}")
+    if arena_bytes > _I64_MAX or items_bytes > _I64_MAX:  # the table's offsets are int64
+        raise PlanError(
+            f"an arena of {arena_bytes} bytes or items buffer of {items_bytes}: past int64, "
+            "which the launch table's offsets are"
+        )
     if step is not None:  # the arrays as the C pass reads them, bounds checked (mutable)
         extents, bounds = step_arrays(step.extents, step.bounds)
         tables = StepTable.__new__(StepTable)  # the loop below reads these arrays, no others
@@ -418,7 +424,8 @@ def _segments_arrays(
     bits = np.bitwise_or.reduce(src + items_base) | np.bitwise_or.reduce(dst + arena_base)
     vec = int((bits | MAX_VEC_BYTES) & -(bits | MAX_VEC_BYTES))
     tail = take % vec
-    tiles = (take - tail + (tile_bytes - 1)) // tile_bytes + (tail != 0)
+    body = take - tail  # ceil(body / tile_bytes) without body + tile_bytes (int64 wraps there)
+    tiles = body // tile_bytes + (body % tile_bytes != 0) + (tail != 0)
     np.cumsum(tiles, out=first)
     num_tiles = int(first[-1])
     first -= tiles

@@ -94,7 +94,10 @@ class StepTable(Sequence):
         bounds = [0, *accumulate(map(len, tables))]
         flat = chain.from_iterable(chain.from_iterable(tables))
         # fromiter with its count: one allocation, no list of Python ints in between.
-        extents = np.fromiter(flat, np.int64, count=2 * bounds[-1]).reshape(-1, 2)
+        try:
+            extents = np.fromiter(flat, np.int64, count=2 * bounds[-1]).reshape(-1, 2)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise PlanError(f"block tables must hold (start, count) pairs of int64s: {e}") from e
         return cls._made(extents, np.array(bounds, np.int64))
 
     @classmethod

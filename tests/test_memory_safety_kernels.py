@@ -195,3 +195,24 @@ def test_the_c_layout_leaves_subclasses_and_modes_to_torch(passes):
 
     with Mode():
         assert c_pass.item_layout([plain]) is None
+
+
+def test_a_tile_as_large_as_int64_plans_alike_in_every_pass(passes):
+    """The numpy pass counted tiles as ``(take + tile_bytes - 1) // tile_bytes``: int64
+    wrapped and every segment got -1 tiles (the differential fuzzer's find)."""
+    step = StepTable.from_tables([[(0, 1)], [(2, 1)]])
+    got = plan_copy([0, B], [B, 100], step, block_bytes=B, arena_bytes=4 * B,
+                    items_bytes=2 * B, tile_bytes=2**63 - 1, num_programs=4)  # fmt: skip
+    assert got.num_tiles == 3 and got.segments[:, 3].tolist() == [0, 1]  # 100 = 96 + a tail
+
+
+@pytest.mark.parametrize("name", ["items_bytes", "arena_bytes"])
+def test_buffers_past_int64_are_refused_not_overflowed(passes, name):
+    kw = {"block_bytes": B, "arena_bytes": 4 * B, "items_bytes": 2 * B, name: 2**63 + B}
+    with pytest.raises(PlanError, match="past int64"):
+        plan_copy([2**63 - 1], [B], [[(0, 1)]], **kw)
+
+
+def test_tables_of_ints_past_int64_are_a_plan_error():
+    with pytest.raises(PlanError, match=r"\(start, count\) pairs of int64s"):
+        StepTable.from_tables([[(0, 2**63)]])
