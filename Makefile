@@ -24,7 +24,7 @@ PY := $(VENV)/bin/python
 export PYTHONSAFEPATH := 1
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm-033 soak serve-check mutate bench bench-alloc bench-remote gpu-check clean
+.PHONY: demo test test-vllm-033 soak serve-check mutate sanitize bench bench-alloc bench-remote gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,28 @@ serve-check: $(STAMP)
 mutate: $(STAMP)
 	$(PY) -c "import mutmut" 2>/dev/null || $(PY) -m pip install -q -e ".[mutate]"
 	nice -n 10 $(PY) tests/mutate.py $(MUTATE)
+
+# Both C extensions rebuilt in place with AddressSanitizer and UndefinedBehaviorSanitizer
+# (setup.py, ECOFFLOAD_SANITIZE=1: -fno-wrapv, so signed overflow is reported), their tests
+# run with the sanitizer runtimes preloaded into Python (leak checks off: CPython's own
+# allocations), then the normal build put back, whatever the outcome. Any report stops the
+# run (halt_on_error); --capture=sys lets it reach the terminal. See TESTING.md for its time.
+SANITIZE_TESTS ?= tests/test_plan_native.py tests/test_step_table.py \
+  tests/test_shared_catalog_native.py tests/test_memory_safety_kernels.py \
+  tests/test_memory_safety_c_edges.py tests/test_memory_safety_catalog.py \
+  tests/test_memory_safety_fuzz.py tests/test_memory_safety_worker.py
+sanitize: $(STAMP)
+	@tmp=$$(mktemp -d) && status=0 && \
+	  ECOFFLOAD_SANITIZE=1 $(PY) setup.py -q build_ext --inplace --force --build-temp $$tmp \
+	    >$$tmp/build.log 2>&1 || { cat $$tmp/build.log; status=1; }; \
+	  if [ $$status = 0 ]; then \
+	    LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	    $(PY) -m pytest -q --capture=sys -p no:cacheprovider --basetemp=$$tmp/pt $(SANITIZE_TESTS) \
+	    || status=$$?; fi; \
+	  $(PY) setup.py -q build_ext --inplace --force --build-temp $$tmp/normal >/dev/null 2>&1 \
+	    || { echo "sanitize: the normal build could not be restored: pip install -e . again"; status=1; }; \
+	  rm -rf $$tmp; exit $$status
 
 bench: $(STAMP)
 	$(PY) -m ecoffload.profiling.bench

@@ -8,10 +8,18 @@ Python passes (slower for fragmented steps, same results) and the catalog its
 Python methods (same words written, slower per hit).
 """
 
+import os
+
 from setuptools import Extension, setup
 
 # CPython's own release flags: asserts off, signed overflow defined.
 FLAGS = dict(extra_compile_args=["-O2", "-fwrapv"], define_macros=[("NDEBUG", None)])
+if os.environ.get("ECOFFLOAD_SANITIZE") == "1":  # `make sanitize`: ASan + UBSan, overflow UB
+    SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    FLAGS = dict(
+        extra_compile_args=["-O1", "-g", "-fno-omit-frame-pointer", "-fno-wrapv", *SANITIZE],
+        extra_link_args=SANITIZE,
+    )
 
 setup(
     ext_modules=[

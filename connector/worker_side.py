@@ -36,7 +36,8 @@ import torch
 from ..engine.base.errors import ArenaError, CatalogError
 from ..engine.base.items import dtype_from_name, dtype_name, item_crc32
 from ..engine.transfer import BlockMover, Completion, split_completed
-from ..kernels import PACK_CONFIG, UNPACK_CONFIG
+from ..kernels import PACK_CONFIG, UNPACK_CONFIG, PlanError
+from ..kernels.step_table import StepTable
 from .compat import is_writer_rank, worker_device
 from .config import OffloadConfig
 from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata
@@ -95,8 +96,36 @@ class WorkerSide:
                 f"worker mapped ({self.arena.path}, nonce {self.arena.nonce:#x}): give every "
                 "process of the instance the same arena_name and arena_dir"
             )
+        self._check_tables(metadata)
         self._meta = self._unflushed = metadata
         self._steps.add(metadata.step)
+
+    def _check_tables(self, meta: ECOffloadMetadata) -> None:
+        """The scheduler's tables, checked before any copy (a pickle is data from another
+        process): step tables (unpickling checked their arrays), one table per load,
+        every save naming one of its table's items, every extent inside this arena (in
+        the planner's C pass where built: one pass over the arrays). PlanError otherwise."""
+        load_table, save_table = meta.load_table, meta.save_table
+        if not (isinstance(load_table, StepTable) and isinstance(save_table, StepTable)):
+            raise PlanError(
+                f"step {meta.step}: the scheduler's block tables must be StepTables, got "
+                f"{type(load_table).__name__} and {type(save_table).__name__}"
+            )
+        if len(load_table) != len(meta.loads):
+            raise PlanError(
+                f"step {meta.step}: {len(meta.loads)} loads but {len(load_table)} block "
+                "tables for them: the scheduler and this worker disagree (a bug)"
+            )
+        items = len(save_table)
+        for key, spec in meta.saves.items():
+            if type(spec.item) is not int or not 0 <= spec.item < items:
+                raise PlanError(
+                    f"step {meta.step}: save {key!r} names block table {spec.item!r} of "
+                    f"{items}: the scheduler and this worker disagree (a bug)"
+                )
+        num_blocks = self.arena.num_blocks
+        load_table.check(num_blocks)
+        save_table.check(num_blocks)
 
     def clear_connector_metadata(self) -> None:
         self._meta = None

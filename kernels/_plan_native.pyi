@@ -40,3 +40,6 @@ def plan_step(
 def item_layout(
     tensors: Sequence[torch.Tensor], /
 ) -> tuple[int, list[int], list[int], int] | None: ...
+def check_step(extents: Buffer, bounds: Buffer, num_blocks: int, /) -> int | None:
+    """-1 when every extent lies inside ``num_blocks``, else the first that does not;
+    None for arrays it cannot read (numpy then names what is wrong)."""

@@ -356,7 +356,9 @@ def _plan(
 ) -> tuple[torch.Tensor | None, Sequence[int], CopyPlan]:
     if isinstance(tensors, ItemViews):  # one buffer: its layout is known
         base, offsets, nbytes = tensors.buffer, tensors.offsets, tensors.nbytes
-        span = base.numel()
+        span = _byte_size(base, "the ItemViews' buffer")
+        if type(base) is not torch.Tensor:
+            base = _plain_byte_view(base)
     else:
         tensors = list(tensors)
         c_pass = native.planner() if config.dma_min_bytes is None else None
@@ -405,14 +407,18 @@ def _item_layout(
         lowest, offsets, sizes, span = found
         base = _byte_view_of(tensors[lowest]) if lowest >= 0 else None
         return base, offsets, sizes, span
-    if not all(map(_is_contiguous, tensors)):
-        i, t = next((i, t) for i, t in enumerate(tensors) if not t.is_contiguous())
+    # torch.Tensor's own accessors with torch functions off: a subclass (its properties,
+    # its __torch_function__) or a mode could otherwise answer more bytes than there are.
+    with _no_torch_functions():  # (a TypeError for what is no tensor)
+        contiguous = list(map(_is_contiguous, tensors))
+        ptrs = list(map(_data_ptr, tensors))  # map: no bytecode per tensor
+        sizes = list(map(_nbytes, tensors))
+    if not all(contiguous):
+        i, t = next((i, t) for i, t in enumerate(tensors) if not contiguous[i])
         raise PlanError(
             f"tensor {i} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
             "call .contiguous() first"
         )
-    ptrs = list(map(_data_ptr, tensors))  # map: no bytecode per tensor
-    sizes = list(map(_nbytes, tensors))
     if 0 in sizes or not sizes:  # an empty tensor's address means nothing: never the base
         nonempty = [i for i, n in enumerate(sizes) if n]
         if not nonempty:
@@ -425,7 +431,7 @@ def _item_layout(
         lowest = ptrs.index(start)
         offsets = [p - start for p in ptrs]
     span = max(map(add, offsets, sizes))
-    return _byte_view_of(tensors[lowest]), offsets, sizes, span
+    return _plain_byte_view(tensors[lowest]), offsets, sizes, span
 
 
 def _byte_view_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -438,6 +444,23 @@ def _byte_view_of(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.reshape(-1).view(torch.uint8)
 
 
+def _plain_byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`_byte_view_of` as a plain torch.Tensor (torch functions off): the kernel
+    asks its base for its address, which a subclass could answer otherwise."""
+    with _no_torch_functions():  # (torch then makes a plain tensor of a subclass's view)
+        return _byte_view_of(tensor)
+
+
+def _byte_size(tensor: torch.Tensor, what: str) -> int:
+    """Bytes of a contiguous tensor, from torch.Tensor's own accessors (torch functions
+    off); PlanError for anything else."""
+    with _no_torch_functions():
+        if not isinstance(tensor, torch.Tensor) or not _is_contiguous(tensor):
+            raise PlanError(f"{what} must be a contiguous tensor, got {type(tensor).__name__}")
+        return _nbytes(tensor)
+
+
 _is_contiguous = torch.Tensor.is_contiguous
 _data_ptr = torch.Tensor.data_ptr
 _nbytes = torch.Tensor.nbytes.__get__  # pyright: ignore[reportAttributeAccessIssue]  (a property)
+_no_torch_functions = torch._C.DisableTorchFunction

@@ -62,15 +62,12 @@ import numpy as np
 import torch
 
 from . import native
-from .step_table import StepTable, Tables
+from .step_table import PlanError, StepTable, Tables, step_arrays
 
 MAX_VEC_BYTES = 16
 VECTORISE_FROM = 128  # extents per step from which numpy's whole-array passes pay
 VEC_WIDTHS = (1, 2, 4, 8, 16)  # every access width a plan can pick
-
-
-class PlanError(ValueError):
-    """A block table or item layout cannot be copied as given."""
+_I64_MAX = (1 << 63) - 1
 
 
 class CopyPlan(NamedTuple):
@@ -142,6 +139,20 @@ def plan_copy(
             return planned
     if num_programs <= 0:
         raise PlanError(f"num_programs must be positive, got {num_programs}")
+    if tile_bytes <= 0:  # no tile would advance (0), or the program count goes negative
+        raise PlanError(f"tile_bytes must be positive, got {tile_bytes}")
+    if arena_bytes < 0:
+        raise PlanError(f"arena_bytes must not be negative, got {arena_bytes}")
+    if arena_bytes > _I64_MAX or items_bytes > _I64_MAX:  # the table's offsets are int64
+        raise PlanError(
+            f"an arena of {arena_bytes} bytes or items buffer of {items_bytes}: past int64, "
+            "which the launch table's offsets are"
+        )
+    arrays = None
+    if step is not None:  # the arrays as the C pass reads them, bounds checked (mutable)
+        arrays = extents, bounds = step_arrays(step.extents, step.bounds)
+        tables = StepTable.__new__(StepTable)  # the loop below reads these arrays, no others
+        tables.extents, tables.bounds = extents, bounds
     if not (len(item_offsets) == len(tables) == len(item_nbytes)):
         raise PlanError(
             f"expected one offset and one block table per item, got {len(item_offsets)} "
@@ -153,8 +164,8 @@ def plan_copy(
         )
     args = (item_offsets, item_nbytes, tables, block_bytes, arena_bytes // block_bytes,
             items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
-    if step is not None:  # arrays already: numpy plans them whatever their size
-        segments = _segments_arrays(step.extents, np.diff(step.bounds), *args[:2], *args[3:])
+    if arrays is not None:  # arrays already: numpy plans them whatever their size
+        segments = _segments_arrays(arrays[0], np.diff(arrays[1]), *args[:2], *args[3:])
     elif sum(map(len, tables)) >= VECTORISE_FROM:
         segments = _segments_vectorised(*args)
     else:
@@ -183,7 +194,7 @@ def plan_in_c(c_pass, item_offsets, item_nbytes, tables, block_bytes, arena_byte
     defaults: the host path of every step calls it (a keyword call of
     :func:`plan_copy` costs about a microsecond more)."""
     try:
-        if isinstance(tables, StepTable):  # the arrays, through the buffer protocol
+        if isinstance(tables, StepTable):  # the arrays, through the buffer protocol (C checks)
             planned = c_pass.plan_step(item_offsets, item_nbytes, tables.extents, tables.bounds,
                                        block_bytes, arena_bytes, items_bytes, tile_bytes,
                                        items_base, arena_base, num_programs)  # fmt: skip
@@ -411,7 +422,8 @@ def _segments_arrays(
     bits = np.bitwise_or.reduce(src + items_base) | np.bitwise_or.reduce(dst + arena_base)
     vec = int((bits | MAX_VEC_BYTES) & -(bits | MAX_VEC_BYTES))
     tail = take % vec
-    tiles = (take - tail + (tile_bytes - 1)) // tile_bytes + (tail != 0)
+    body = take - tail  # ceil(body / tile_bytes) without body + tile_bytes (int64 wraps there)
+    tiles = body // tile_bytes + (body % tile_bytes != 0) + (tail != 0)
     np.cumsum(tiles, out=first)
     num_tiles = int(first[-1])
     first -= tiles

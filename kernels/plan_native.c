@@ -11,8 +11,8 @@
  *   catalogs' ``Extent``, or lists).
  *
  * plan_step(item_offsets, item_nbytes, extents, bounds, block_bytes, ...)
- *   the same plan from a step table (kernels/step_table.py): ``extents`` any
- *   C-contiguous int64 buffer of (start, count) pairs, item i's being pairs
+ *   the same plan from a step table (kernels/step_table.py): ``extents`` a
+ *   C-contiguous int64 buffer of [E, 2] (start, count) pairs, item i's being pairs
  *   [bounds[i], bounds[i + 1]) of the int64 buffer ``bounds`` (N + 1 entries);
  *   read through the buffer protocol, no Python object per extent.
  *
@@ -28,15 +28,21 @@
  * runs while the inputs are read and borrowed references stay valid); numpy
  * integers and other int-likes go to the Python passes.
  *
+ * check_step(extents, bounds, num_blocks) -> -1, the first extent outside, or None
+ *   what a worker checks of a step table it received (see check_step below).
+ *
  * item_layout(tensors) -> (lowest, offsets, sizes, span) or None
  *   api._item_layout's numbers for a list of tensors: the index of the
  *   lowest-addressed non-empty tensor (-1: none), each tensor's byte offset
  *   from it (0 for empty ones), byte sizes, and the bytes from it to the end of
  *   the highest. None when a tensor is not contiguous (api.py names it). The
  *   tensors' methods run Python code, so it works on a snapshot of the list.
- *   It calls torch.Tensor's is_contiguous and data_ptr descriptors on each
- *   tensor (looked up once, at the first call: a bound-method lookup per call
- *   cost about as much again) and reads nbytes as an attribute.
+ *   It calls torch.Tensor's is_contiguous, data_ptr and nbytes descriptors on
+ *   each tensor (looked up once, at the first call: a bound-method lookup per
+ *   call cost about as much again), never an attribute a subclass could
+ *   override; it takes exact torch.Tensors only, with no torch function mode
+ *   active (a subclass's __torch_function__, or a mode, could answer for them):
+ *   anything else goes to api.py, which asks torch with torch functions disabled.
  *
  * Built at install time as the extension module ecoffload.kernels._plan_native
  * (setup.py, optional: without a compiler the install warns and plan.py's
@@ -206,6 +212,7 @@ static PyObject *plan_step_core(const step_t *st, const params_t *pr) {
         int64_t take = rows[4 * k + 2], body = take & ~(vec - 1);
         int64_t whole = tile_shift >= 0 ? body >> tile_shift : body / tile_bytes;
         rows[4 * k + 3] = tiles;
+        /* (at most one tile per byte: tiles <= total <= arena_bytes, no overflow) */
         tiles += whole + (body != whole * tile_bytes) + (take != body);
     }
 
@@ -297,8 +304,10 @@ done:
     return result;
 }
 
-/* An int64 buffer (C-contiguous, native order) of any shape: its element count, or -1. */
-static Py_ssize_t int64_buffer(PyObject *o, Py_buffer *view) {
+/* An int64 buffer (C-contiguous, native order) of ``ndim`` dimensions, the last of two
+ * entries when ndim is 2 (step_table.step_arrays' rules, so both passes take the same
+ * arrays): its element count, or -1. */
+static Py_ssize_t int64_buffer(PyObject *o, Py_buffer *view, int ndim) {
     if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
         view->obj = NULL;
@@ -307,6 +316,7 @@ static Py_ssize_t int64_buffer(PyObject *o, Py_buffer *view) {
     const char *f = view->format ? view->format : "B";
     if (*f == '@' || *f == '=') f++;
     if (view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) return -1;
+    if (view->ndim != ndim || (ndim == 2 && view->shape[1] != 2)) return -1;
     return view->len / 8;
 }
 
@@ -318,7 +328,7 @@ static PyObject *plan_step(PyObject *self, PyObject *args) {
         return NULL;
     Py_buffer ev, bv;
     PyObject *result = Py_None;
-    Py_ssize_t pairs = int64_buffer(extents, &ev), edges = int64_buffer(bounds, &bv);
+    Py_ssize_t pairs = int64_buffer(extents, &ev, 2), edges = int64_buffer(bounds, &bv, 1);
     int64_t *numbers = NULL;
     if (pairs < 0 || pairs % 2 || edges < 1) goto done;
     Py_ssize_t items = edges - 1;
@@ -343,23 +353,73 @@ done:
     return result;
 }
 
-static PyObject *s_data_ptr, *s_nbytes, *s_is_contiguous;  /* interned names */
-static PyObject *tensor_data_ptr, *tensor_is_contiguous;  /* torch.Tensor's, once found */
+/* check_step(extents, bounds, num_blocks): -1 when the step arrays are a step table's
+ * (plan_step's rules) and every extent lies inside an arena of num_blocks blocks; else
+ * the index of the first extent that does not; None when the arrays are not a step
+ * table's (step_table.py then names what is wrong). What a worker checks of the tables
+ * it receives, before any copy: one pass over the arrays. */
+static PyObject *check_step(PyObject *self, PyObject *args) {
+    PyObject *extents, *bounds;
+    long long num_blocks;
+    if (!PyArg_ParseTuple(args, "OOL", &extents, &bounds, &num_blocks)) return NULL;
+    Py_buffer ev, bv;
+    PyObject *result = Py_None;
+    Py_ssize_t pairs = int64_buffer(extents, &ev, 2), edges = int64_buffer(bounds, &bv, 1);
+    if (pairs < 0 || edges < 1) goto done;
+    const int64_t *ext = ev.buf, *b = bv.buf;
+    Py_ssize_t n = pairs / 2, bad = -1;
+    if (b[0] != 0 || b[edges - 1] != n) goto done;
+    for (Py_ssize_t i = 1; i < edges; i++)
+        if (b[i] < b[i - 1]) goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t start = ext[2 * k], count = ext[2 * k + 1];
+        if (start < 0 || start >= num_blocks || count <= 0 || count > num_blocks - start) {
+            bad = k;
+            break;
+        }
+    }
+    result = PyLong_FromSsize_t(bad);
+done:
+    if (ev.obj != NULL) PyBuffer_Release(&ev);
+    if (bv.obj != NULL) PyBuffer_Release(&bv);
+    if (result == Py_None) Py_INCREF(Py_None);
+    return result;
+}
 
-/* torch.Tensor.data_ptr and .is_contiguous, looked up at the first call (torch is
- * imported by then: the caller holds tensors); 0, or -1 with an exception set. */
+static PyObject *s_data_ptr, *s_nbytes, *s_is_contiguous;  /* interned names */
+/* torch.Tensor's (once found): the type, two methods, the nbytes getter, and
+ * torch._C._is_torch_function_mode_enabled. */
+static PyObject *tensor_type, *tensor_data_ptr, *tensor_is_contiguous, *tensor_nbytes, *mode_on;
+
+/* torch.Tensor's type and descriptors, looked up at the first call (torch is imported
+ * by then: the caller holds tensors); 0, or -1 with an exception set. */
 static int find_tensor_methods(void) {
     if (tensor_data_ptr != NULL) return 0;
     PyObject *torch = PyImport_ImportModule("torch");
     PyObject *tensor = torch != NULL ? PyObject_GetAttrString(torch, "Tensor") : NULL;
+    PyObject *c = torch != NULL ? PyObject_GetAttrString(torch, "_C") : NULL;
+    PyObject *mode = c != NULL ? PyObject_GetAttrString(c, "_is_torch_function_mode_enabled")
+                               : NULL;
     PyObject *data_ptr = tensor != NULL ? PyObject_GetAttr(tensor, s_data_ptr) : NULL;
     PyObject *is_contiguous = data_ptr != NULL ? PyObject_GetAttr(tensor, s_is_contiguous) : NULL;
+    PyObject *nbytes = is_contiguous != NULL ? PyObject_GetAttr(tensor, s_nbytes) : NULL;
     Py_XDECREF(torch);
-    Py_XDECREF(tensor);
-    if (is_contiguous == NULL) {
+    Py_XDECREF(c);
+    int ok = mode != NULL && nbytes != NULL && PyType_Check(tensor) &&
+             Py_TYPE(nbytes)->tp_descr_get != NULL;
+    if (!ok) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "torch.Tensor.nbytes is not a descriptor");
+        Py_XDECREF(tensor);
+        Py_XDECREF(mode);
         Py_XDECREF(data_ptr);
+        Py_XDECREF(is_contiguous);
+        Py_XDECREF(nbytes);
         return -1;
     }
+    tensor_type = tensor;
+    mode_on = mode;
+    tensor_nbytes = nbytes;
     tensor_is_contiguous = is_contiguous;
     tensor_data_ptr = data_ptr;
     return 0;
@@ -368,9 +428,19 @@ static int find_tensor_methods(void) {
 static PyObject *item_layout(PyObject *self, PyObject *given) {
     if (!PyList_CheckExact(given)) Py_RETURN_NONE;
     if (find_tensor_methods() < 0) return NULL;
+    PyObject *modes = PyObject_CallNoArgs(mode_on);
+    if (modes == NULL) return NULL;
+    Py_DECREF(modes);
+    if (modes != Py_False) Py_RETURN_NONE;  /* a mode answers for tensors: api.py asks */
     PyObject *tensors = PyList_AsTuple(given);  /* a snapshot: the methods below run Python */
     if (tensors == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(tensors);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (Py_TYPE(PyTuple_GET_ITEM(tensors, i)) != (PyTypeObject *)tensor_type) {
+            Py_DECREF(tensors);  /* a subclass (or no tensor): api.py asks torch itself */
+            Py_RETURN_NONE;
+        }
+    }
     PyObject *offsets = PyList_New(n), *sizes = PyList_New(n), *result = NULL;
     int64_t *ptrs = malloc(sizeof(int64_t) * (n ? n : 1));
     if (offsets == NULL || sizes == NULL || ptrs == NULL) {
@@ -383,7 +453,8 @@ static PyObject *item_layout(PyObject *self, PyObject *given) {
         PyObject *t = PyTuple_GET_ITEM(tensors, i);
         PyObject *contiguous = PyObject_CallOneArg(tensor_is_contiguous, t);
         PyObject *ptr = contiguous == Py_True ? PyObject_CallOneArg(tensor_data_ptr, t) : NULL;
-        PyObject *nbytes = ptr != NULL ? PyObject_GetAttr(t, s_nbytes) : NULL;
+        PyObject *nbytes = ptr != NULL ? Py_TYPE(tensor_nbytes)->tp_descr_get(
+            tensor_nbytes, t, tensor_type) : NULL;
         int bad = 0;
         int64_t address = ptr != NULL ? as_int64(ptr, &bad) : 0;
         int64_t size = nbytes != NULL ? as_int64(nbytes, &bad) : 0;
@@ -424,6 +495,8 @@ static PyMethodDef methods[] = {
     {"plan_step", plan_step, METH_VARARGS,
      "The copy plan of one launch from int64 step arrays, or None (see plan_native.c)."},
     {"item_layout", item_layout, METH_O, "Where a list of tensors lie, or None (see plan_native.c)."},
+    {"check_step", check_step, METH_VARARGS,
+     "The first extent of a step table outside the arena, -1, or None (see plan_native.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,6 +15,11 @@ from the scheduler to the workers.
 It is also a read-only sequence of per-item tables (``table[i]``: a list of
 ``(start, count)`` tuples), so code that walks tables one item at a time (the
 reference copy, the loop planner naming a fault, a CRC) takes it unchanged.
+
+Whatever makes one (the constructor, :meth:`StepTable._made`, unpickling) checks
+the arrays (:func:`step_arrays`), and the planner checks them again (they are
+mutable): a table whose bounds do not cut its extents into items, one after
+another, is refused with :class:`PlanError`, never planned.
 """
 
 from __future__ import annotations
@@ -23,6 +28,54 @@ from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain
 
 import numpy as np
+
+from . import native
+
+
+class PlanError(ValueError):
+    """A block table or item layout cannot be copied as given (``plan.PlanError``)."""
+
+
+def step_arrays(extents: object, bounds: object) -> tuple[np.ndarray, np.ndarray]:
+    """``extents`` and ``bounds`` as int64 arrays of a step table, read through the buffer
+    protocol by the rules of the planner's C pass (so both passes accept the same
+    arrays): C-contiguous native int64, extents ``[E, 2]``, bounds ``[N + 1]`` running
+    from 0 to E without going down. Raises PlanError naming what is wrong."""
+    views: list[np.ndarray] = []
+    for name, array, ndim in (("extents", extents, 2), ("bounds", bounds, 1)):
+        try:
+            view = memoryview(array)  # pyright: ignore[reportArgumentType]  (refused below)
+        except TypeError:
+            view = None
+        fmt = "" if view is None else view.format
+        fmt = fmt[1:] if fmt[:1] in ("@", "=") else fmt
+        shaped = view is not None and view.ndim == ndim and (
+            ndim == 1 or tuple(view.shape or ())[1:] == (2,)
+        )
+        if (
+            view is None or not shaped or view.itemsize != 8 or fmt not in ("q", "l")
+            or not view.c_contiguous
+        ):  # fmt: skip
+            raise PlanError(
+                f"a step table's {name} must be a C-contiguous native int64 array of shape "
+                f"{'[E, 2]' if ndim == 2 else '[N + 1]'}, got {type(array).__name__} "
+                + ("" if view is None else f"{view.format!r} {view.shape}")
+                + ": make it with StepTable(extents, bounds) or StepTable.from_tables"
+            )
+        views.append(array if type(array) is np.ndarray else np.asarray(view, np.int64))
+    extents, bounds = views
+    if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(extents):
+        raise PlanError(
+            f"bounds must run from 0 to the {len(extents)} extents given, one entry per "
+            f"item plus one; got {bounds[:3].tolist()}...{bounds[-3:].tolist()}"
+        )
+    if len(bounds) > 2 and (bounds[1:] < bounds[:-1]).any():
+        at = int(np.flatnonzero(bounds[1:] < bounds[:-1])[0])
+        raise PlanError(
+            f"bounds must not go down (item i's extents are extents[bounds[i]:bounds[i + 1]]); "
+            f"got bounds[{at}] = {bounds[at]} > bounds[{at + 1}] = {bounds[at + 1]}"
+        )
+    return extents, bounds
 
 
 class StepTable(Sequence):
@@ -33,11 +86,7 @@ class StepTable(Sequence):
     def __init__(self, extents: np.ndarray, bounds: np.ndarray) -> None:
         extents = np.ascontiguousarray(extents, dtype=np.int64).reshape(-1, 2)
         bounds = np.ascontiguousarray(bounds, dtype=np.int64).reshape(-1)
-        if len(bounds) == 0 or bounds[0] != 0 or bounds[-1] != len(extents):
-            raise ValueError(
-                f"bounds must run from 0 to the {len(extents)} extents given, one entry per "
-                f"item plus one; got {bounds[:3].tolist()}...{bounds[-3:].tolist()}"
-            )
+        step_arrays(extents, bounds)
         self.extents, self.bounds = extents, bounds
 
     @classmethod
@@ -50,12 +99,16 @@ class StepTable(Sequence):
         bounds = [0, *accumulate(map(len, tables))]
         flat = chain.from_iterable(chain.from_iterable(tables))
         # fromiter with its count: one allocation, no list of Python ints in between.
-        extents = np.fromiter(flat, np.int64, count=2 * bounds[-1]).reshape(-1, 2)
+        try:
+            extents = np.fromiter(flat, np.int64, count=2 * bounds[-1]).reshape(-1, 2)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise PlanError(f"block tables must hold (start, count) pairs of int64s: {e}") from e
         return cls._made(extents, np.array(bounds, np.int64))
 
     @classmethod
     def _made(cls, extents: np.ndarray, bounds: np.ndarray) -> StepTable:
-        """One from arrays made here, already right (a step pays no checks for them)."""
+        """One from arrays made here (checked all the same: a few microseconds)."""
+        step_arrays(extents, bounds)
         table = cls.__new__(cls)
         table.extents, table.bounds = extents, bounds
         return table
@@ -94,6 +147,25 @@ class StepTable(Sequence):
         extents = np.concatenate(picked) if picked else np.empty((0, 2), np.int64)
         return StepTable._made(extents, bounds)
 
+    def check(self, num_blocks: int) -> None:
+        """Raise PlanError unless the arrays are a step table's and every extent lies inside
+        an arena of ``num_blocks`` blocks: what a worker checks of the tables it receives,
+        before any copy (one pass over the arrays, in the planner's C pass where built)."""
+        c_pass = native.planner()
+        bad = c_pass.check_step(self.extents, self.bounds, num_blocks) if c_pass else None
+        if bad is None:  # no C pass, or arrays it cannot read: numpy, naming what is wrong
+            extents, _ = step_arrays(self.extents, self.bounds)
+            starts, counts = extents[:, 0], extents[:, 1]
+            outside = (starts < 0) | (starts >= num_blocks) | (counts <= 0)
+            outside |= counts > num_blocks - starts
+            bad = int(np.argmax(outside)) if outside.any() else -1
+        if bad >= 0:
+            raise PlanError(
+                f"extent {bad} {tuple(self.extents[bad].tolist())} of a step table is not "
+                f"inside the arena's blocks [0, {num_blocks}): block tables must come from "
+                "this arena's catalog"
+            )
+
     def extents_of(self, item: int) -> np.ndarray:
         """int64 [k, 2]: item ``item``'s extents (a view)."""
         return self.extents[self.bounds[item] : self.bounds[item + 1]]
@@ -127,7 +199,14 @@ class StepTable(Sequence):
         return self.extents, self.bounds
 
     def __setstate__(self, state: tuple[np.ndarray, np.ndarray]) -> None:
-        self.extents, self.bounds = state
+        # A pickle is data from another process (the scheduler's metadata): checked.
+        try:
+            extents, bounds = state
+        except (TypeError, ValueError):
+            raise PlanError(
+                f"a pickled StepTable holds (extents, bounds), got {type(state).__name__}"
+            ) from None
+        self.extents, self.bounds = step_arrays(extents, bounds)
 
     def __repr__(self) -> str:
         return f"StepTable({len(self)} items, {self.num_extents} extents)"

@@ -414,12 +414,15 @@ class Clearing(torch.Tensor):
 
 
 def test_a_list_emptied_while_it_is_laid_out_is_read_as_it_was(c_pass):
+    """A subclass's methods run Python code: the C layout declines subclasses before it
+    calls anything (api.py lays them out with torch functions off), so the list is read
+    whole; the Python lines lay out what they were given."""
     tensors = [torch.zeros(4), torch.zeros(8).as_subclass(Clearing), torch.zeros(2)]
     Clearing.victim = tensors
     snapshot = list(tensors)
-    lowest, offsets, sizes, span = c_pass.item_layout(tensors)
-    assert tensors == [] and sizes == [16, 32, 8]
-    assert snapshot[lowest].data_ptr() + span >= max(t.data_ptr() + t.nbytes for t in snapshot)
+    assert c_pass.item_layout(tensors) is None and tensors == snapshot
+    _, offsets, sizes, span = api._item_layout(tensors)
+    assert sizes == [16, 32, 8] and len(offsets) == 3
 
 
 @pytest.mark.parametrize(

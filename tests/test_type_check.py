@@ -142,7 +142,7 @@ def test_the_hit_path_takes_the_keywords_its_stub_names():
         pytest.skip("the shared catalog's C paths are not built in this install")
     names = stub_api(STUBS["ecoffload.engine.catalog.shared._catalog_native"])["HitPath.__init__"]
     values = {n: 1 for n in names} | {"words": None, "seen": {}}
-    with pytest.raises(ValueError, match="expected the catalog's memoryview"):
+    with pytest.raises(ValueError, match="expected the catalog's writable memoryview"):
         module.HitPath(**values)  # every keyword parsed; refused only on the values
     misnamed = dict(values)
     misnamed["word"] = misnamed.pop("words")

@@ -87,6 +87,12 @@ class ItemStateError(CatalogError):
     """An operation is not allowed in the item's current state or pin count."""
 
 
+class CatalogCorruptError(CatalogError):
+    """A shared catalog word read under the lock is impossible (an index past its table,
+    a list that cycles): never followed; the catalog was rebuilt from its slot table
+    before this was raised, so the operation can be retried."""
+
+
 class RemoteError(ECOffloadError):
     """A transfer between hosts' arenas (NIXL) could not be set up or asked for."""
 

@@ -165,6 +165,9 @@ class SharedCatalog(
             extents = self._alloc(need)
             s = w[H_SLOT_FREE]
             b = self._sl + s * SLOT_WORDS
+            if s >= self._nslots or w[b + S_STATE] != FREE:  # (>= 0: _make_room checked)
+                self._corrupt(f"the slot free list's head is slot {s} of {self._nslots}"
+                              + ("" if s >= self._nslots else f", in state {w[b + S_STATE]}"))
             w[H_SLOT_FREE] = w[b + S_HNEXT]
             if fault_points.hook is not None:
                 fault_points.hook("reserve:allocated")
@@ -406,9 +409,13 @@ class SharedCatalog(
             fault_points.hook("drop:unpublished")
         h = w[b + S_HASH]
         bucket = self._bk + (h & self._hmask)
-        prev, cur = -1, w[bucket]
+        prev, cur, hops = -1, w[bucket], 0
         while cur != s:
+            if not 0 <= cur < self._nslots or hops >= self._nslots:  # s is not on it
+                self._corrupt(f"slot {s} is not on its hash chain (it reaches {cur} after "
+                              f"{hops} hops)")  # fmt: skip
             prev, cur = cur, w[self._sl + cur * SLOT_WORDS + S_HNEXT]
+            hops += 1
         if prev < 0:
             w[bucket] = w[b + S_HNEXT]
         else:
@@ -419,11 +426,8 @@ class SharedCatalog(
             w[H_EVICTABLE] -= blocks
             w[H_READY_ITEMS] -= 1
             w[H_READY_BYTES] -= nbytes
-        i, e = self._i, w[b + S_EXT]
-        while e >= 0:
-            nxt = i[self._en + e]
-            self._free_extent(e, i[self._ec + e])
-            e = nxt
+        for e, c in self._extent_chain(s, b):  # the whole chain checked before any free
+            self._free_extent(e, c)
         w[b + S_HNEXT] = w[H_SLOT_FREE]
         w[H_SLOT_FREE] = s
         w[H_ITEMS] -= 1

@@ -90,8 +90,10 @@ class Check(CatalogState):
                 total += c
                 e = i[self._en + e]
             assert total == w[b + S_BLOCKS] == blocks_for(w[b + S_NBYTES], lay.block_bytes)
-            pins, r = 0, w[b + S_PIN_HEAD]
+            pins, r, hops = 0, w[b + S_PIN_HEAD], 0
             while r >= 0:
+                assert r < lay.max_pins and hops < lay.max_pins, f"slot {s}: pin list at {r}"
+                hops += 1
                 p = pn + r * PIN_WORDS
                 assert w[p + P_SLOT] == s and w[p + P_COUNT] > 0
                 pins += w[p + P_COUNT]
@@ -106,6 +108,7 @@ class Check(CatalogState):
         # LRU: every READY slot once, links both ways.
         seen, prev, s = 0, -1, w[H_LRU_HEAD]
         while s >= 0:
+            assert s < lay.max_items, f"LRU list reaches slot {s}"
             b = sl + s * SLOT_WORDS
             assert w[b + S_STATE] == READY and w[b + S_PREV] == prev
             seen += 1
@@ -119,6 +122,7 @@ class Check(CatalogState):
             s, prev = w[H_CLASSES + k], -1
             assert bool(w[H_MASK] >> k & 1) == (s >= 0), f"class {k}: mask bit wrong"
             while s >= 0:
+                assert s < n, f"class {k}: free extent at block {s}"
                 c = i[self._fs + s]
                 assert c > 0 and c.bit_length() - 1 == k and i[self._fe + s + c - 1] == s
                 assert i[self._fp + s] == prev
@@ -136,12 +140,15 @@ class Check(CatalogState):
         # Free lists of slots and pin records.
         cnt, s = 0, w[H_SLOT_FREE]
         while s >= 0:
+            assert s < lay.max_items, f"slot free list reaches slot {s}"
             assert w[sl + s * SLOT_WORDS + S_STATE] == FREE
             cnt += 1
+            assert cnt <= lay.max_items, "slot free list has a cycle"
             s = w[sl + s * SLOT_WORDS + S_HNEXT]
         assert cnt == lay.max_items - items
         free_pins, r = 0, w[H_PIN_FREE]
         while r >= 0:  # a pin takes a free record's count as 0
+            assert r < lay.max_pins, f"pin free list reaches record {r}"
             assert w[pn + r * PIN_WORDS + P_COUNT] == 0, f"free pin record {r} has a count"
             free_pins += 1
             assert free_pins <= lay.max_pins, "pin free list has a cycle"

@@ -25,6 +25,9 @@ class ExtentAllocator(CatalogState):
         i[self._fe + s + c - 1] = s
         k = c.bit_length() - 1
         head = w[H_CLASSES + k]
+        if not -1 <= head < self._nblocks:
+            self._corrupt(f"free extents of class {k} start at block {head} "
+                          f"(blocks: {self._nblocks})")  # fmt: skip
         i[self._fn + s] = head
         i[self._fp + s] = -1
         if head >= 0:
@@ -33,10 +36,12 @@ class ExtentAllocator(CatalogState):
         w[H_MASK] |= 1 << k
 
     def _fl_remove(self, s: int) -> int:
-        w, i = self._w, self._i
-        c = i[self._fs + s]
+        w, i, n = self._w, self._i, self._nblocks
+        c = i[self._fs + s] if 0 <= s < n else 0
+        prev, nxt = (i[self._fp + s], i[self._fn + s]) if c else (-1, -1)
+        if c <= 0 or c > n - s or not (-1 <= prev < n and -1 <= nxt < n):
+            self._corrupt(f"free extent at block {s} of {n}: {c} blocks, links {prev}, {nxt}")
         k = c.bit_length() - 1
-        prev, nxt = i[self._fp + s], i[self._fn + s]
         if prev >= 0:
             i[self._fn + prev] = nxt
         else:
@@ -53,8 +58,8 @@ class ExtentAllocator(CatalogState):
         i, fs = self._i, self._fs
         self._w[H_FREE_BLOCKS] += c
         if s > 0:
-            left = i[self._fe + s - 1]
-            if left >= 0 and i[fs + left] > 0 and left + i[fs + left] == s:
+            left = i[self._fe + s - 1]  # (below s: a start past it is no left neighbour)
+            if 0 <= left < s and i[fs + left] > 0 and left + i[fs + left] == s:
                 c += self._fl_remove(left)
                 s = left
         end = s + c
@@ -71,6 +76,8 @@ class ExtentAllocator(CatalogState):
         if mask >> k & 1:  # good fit among the first few of need's own class
             s = w[H_CLASSES + k]
             while s >= 0 and seen < 8:
+                if s >= self._nblocks:
+                    self._corrupt(f"free extents of class {k} reach block {s}")
                 c = i[fs + s]
                 if c >= need and (best < 0 or c < i[fs + best]):
                     best = s
@@ -85,11 +92,16 @@ class ExtentAllocator(CatalogState):
         w[H_FREE_BLOCKS] -= need
         if best >= 0:
             c = self._fl_remove(best)
+            if c < need:  # a class's extent shorter than its class, or than its size said
+                self._corrupt(f"free extent at block {best}: {c} blocks, taken for {need}")
             if c > need:
                 self._fl_insert(best + need, c - need)
             return [Extent(best, need)]
         extents = []
-        while need:  # longest classes first
+        while need:  # longest classes first (each takes at least one block)
+            if w[H_MASK] <= 0:  # none left, though the free block count said enough
+                self._corrupt(f"no free extent left for {need} blocks, though "
+                              f"{w[H_FREE_BLOCKS] + need} were counted free")  # fmt: skip
             s = w[H_CLASSES + w[H_MASK].bit_length() - 1]
             c = self._fl_remove(s)
             take = min(c, need)
@@ -104,11 +116,14 @@ class ExtentAllocator(CatalogState):
         """Blocks of the longest free extent (lock held): the top class's longest."""
         w, i = self._w, self._i
         largest = 0
-        if w[H_MASK]:
-            r = w[H_CLASSES + w[H_MASK].bit_length() - 1]
+        if w[H_MASK] > 0:
+            r, hops = w[H_CLASSES + w[H_MASK].bit_length() - 1], 0
             while r >= 0:
+                if r >= self._nblocks or hops >= self._nblocks:  # past the blocks, or a cycle
+                    self._corrupt(f"the longest free extents reach block {r} after {hops}")
                 largest = max(largest, i[self._fs + r])
                 r = i[self._fn + r]
+                hops += 1
         return largest
 
 

@@ -29,8 +29,9 @@ import os
 import threading
 import time
 import weakref
+from typing import NoReturn
 
-from ...base.errors import CatalogLockError
+from ...base.errors import CatalogCorruptError, CatalogLockError
 from ...base.liveness import ProcessId
 from . import robust_mutex
 from .format import H_DIRTY, H_LOCK_DEATHS, MUTEX_AT
@@ -89,6 +90,19 @@ class LockProtocol(CatalogState):
         if update:
             w[H_DIRTY] = self._pid
         return w
+
+    def _corrupt(self, what: str) -> NoReturn:
+        """A word read under the lock is impossible (``what``: which, and its value): it is
+        never followed. Rebuild every derived structure from the slot table now (as a
+        locker finding the catalog dirty would; bounded, whatever the words) and raise
+        CatalogCorruptError, so the caller's ``_exit`` leaves a consistent catalog."""
+        self._w[H_DIRTY] = self._pid
+        log.error("catalog %s: %s; rebuilding it from its slot table", self.path, what)
+        self._recover()
+        raise CatalogCorruptError(
+            f"catalog {self.path}: {what} (a stray write, or a writer's bug); it was rebuilt "
+            "from its slot table: retry the operation"
+        )
 
     def _exit(self, clean: bool = True) -> None:
         """Leave what :meth:`_enter` began: ``clean`` clears the dirty mark (the update

@@ -45,6 +45,9 @@ class LRUPolicy(CatalogState):
         if tail != s:  # to the tail: s has a successor
             w[H_DIRTY] = self._pid
             prev, nxt = w[b + S_PREV], w[b + S_NEXT]
+            self._check_links(s, prev, nxt, tail)
+            if nxt < 0:  # s is not the tail: it has a successor
+                self._corrupt(f"LRU: slot {s} has no successor but the tail is {tail}")
             if prev >= 0:
                 w[sl + prev * SLOT_WORDS + S_NEXT] = nxt
             else:
@@ -55,10 +58,22 @@ class LRUPolicy(CatalogState):
             w[sl + tail * SLOT_WORDS + S_NEXT] = s
             w[H_LRU_TAIL] = s
 
+    def _check_links(self, s: int, prev: int, nxt: int, tail: int = -1) -> None:
+        """The LRU words around slot ``s`` name slots of the table (or -1 for none) that
+        link back to ``s``; else the list is damaged and is not followed."""
+        w, sl, n = self._w, self._sl, self._nslots
+        if not (-1 <= prev < n and -1 <= nxt < n and -1 <= tail < n) or (
+            prev >= 0 and w[sl + prev * SLOT_WORDS + S_NEXT] != s
+        ) or (nxt >= 0 and w[sl + nxt * SLOT_WORDS + S_PREV] != s):  # fmt: skip
+            self._corrupt(f"LRU links of slot {s} (previous {prev}, next {nxt}, tail {tail}) "
+                          f"do not link back to it (slots: {n})")  # fmt: skip
+
     def _lru_append(self, s: int) -> None:
         w, sl = self._w, self._sl
         b = sl + s * SLOT_WORDS
         tail = w[H_LRU_TAIL]
+        if not -1 <= tail < self._nslots or (tail >= 0 and w[sl + tail * SLOT_WORDS + S_NEXT] >= 0):
+            self._corrupt(f"LRU: the tail is slot {tail} (slots: {self._nslots}), not the last")
         w[b + S_PREV] = tail
         w[b + S_NEXT] = -1
         if tail >= 0:
@@ -71,6 +86,7 @@ class LRUPolicy(CatalogState):
         w, sl = self._w, self._sl
         b = sl + s * SLOT_WORDS
         prev, nxt = w[b + S_PREV], w[b + S_NEXT]
+        self._check_links(s, prev, nxt)
         if prev >= 0:
             w[sl + prev * SLOT_WORDS + S_NEXT] = nxt
         else:
@@ -93,8 +109,11 @@ class LRUPolicy(CatalogState):
             self._last_reap = now  # the walk below finds whether the reap made room enough
         sl = self._sl
         victims, room, slot_free = [], w[H_FREE_BLOCKS], w[H_SLOT_FREE] >= 0
-        s = w[H_LRU_HEAD]
+        s, hops = w[H_LRU_HEAD], 0
         while s >= 0 and (room < need or not slot_free):  # oldest first
+            if s >= self._nslots or hops >= self._nslots:  # past the table, or a cycle
+                self._corrupt(f"LRU list reaches slot {s} after {hops} (slots: {self._nslots})")
+            hops += 1
             b = sl + s * SLOT_WORDS
             if w[b + S_PINS] == 0:
                 victims.append(s)

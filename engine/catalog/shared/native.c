@@ -140,7 +140,8 @@ static int enter(pthread_mutex_t *mx, int64_t *w) {
  * consistent, handed over), or FAILED with a Python error set (a closed catalog). */
 enum { LOCKED = 0, FAILED = -1, SLOW = -2 };
 static int lock_words(HitPath *self, Py_buffer *buf, int64_t **w, pthread_mutex_t **mx) {
-    if (PyObject_GetBuffer(self->words, buf, PyBUF_SIMPLE)) return FAILED;
+    /* Writable only: a read-only mapping would fault, an immutable object would change. */
+    if (PyObject_GetBuffer(self->words, buf, PyBUF_WRITABLE)) return FAILED;
     *w = (int64_t *)buf->buf;
     int rc = SLOW;
     if (buf->len / 8 >= self->need_words) {
@@ -203,7 +204,18 @@ static PyObject *hit_or_pin(HitPath *self, PyObject *key, int flags) {
             r = -1 - r; /* taken from the free list below */
         }
     }
+    /* Counters one step from int64's limits: Python's writes raise there (a memoryview
+     * holds int64s), so C declines rather than wrap (undefined behaviour) or differ. */
+    if (flags & PIN) {
+        if (w[b + S_PINS] == INT64_MAX || (r >= 0 && w[self->pn + r * PIN_WORDS + P_COUNT] ==
+                                                         INT64_MAX))
+            goto unlock_slow;
+        int64_t left;
+        if (w[b + S_PINS] == 0 && __builtin_sub_overflow(w[H_EVICTABLE], w[b + S_BLOCKS], &left))
+            goto unlock_slow;
+    }
     if (flags & HIT) {
+        if (w[H_HITS] == INT64_MAX || w[H_TICK] == INT64_MAX) goto unlock_slow;
         tail = w[H_LRU_TAIL];
         if (!slot_index(self, tail)) goto unlock_slow;
         if (tail != s) {
@@ -330,9 +342,15 @@ static PyObject *hp_unpin(HitPath *self, PyObject *keys) {
         }
         dn[j]++;
     }
+    int64_t evictable = w[H_EVICTABLE];
     for (j = 0; j < d; j++) { /* enough pins of ours for all? (nothing written yet) */
         int64_t r = my_record(self, w, self->sl + ds[j] * SLOT_WORDS, &dprev[j]);
         if (r < 0 || dn[j] > w[self->pn + r * PIN_WORDS + P_COUNT]) goto unlock_slow;
+        /* What the writes below compute, checked first: no wrap (Python raises there). */
+        int64_t b = self->sl + ds[j] * SLOT_WORDS, pins;
+        if (__builtin_sub_overflow(w[b + S_PINS], dn[j], &pins) ||
+            (pins == 0 && __builtin_add_overflow(evictable, w[b + S_BLOCKS], &evictable)))
+            goto unlock_slow;
         dr[j] = r;
     }
     w[H_DIRTY] = self->pid;
@@ -385,11 +403,12 @@ static int hp_init(HitPath *self, PyObject *args, PyObject *kwargs) {
                                      &PyDict_Type, &seen, &ready, &fault_points, &sl, &pn,
                                      &max_items, &max_pins, &pid, &start))
         return -1;
-    if (!PyMemoryView_Check(words) || sl < HEADER_WORDS || pn < sl || max_items <= 0 ||
+    if (!PyMemoryView_Check(words) || PyMemoryView_GET_BUFFER(words)->readonly ||
+        sl < HEADER_WORDS || pn < sl || max_items <= 0 ||
         max_pins <= 0 || max_items > (1LL << 40) || max_pins > (1LL << 40) || pn > (1LL << 50)) {
         PyErr_SetString(PyExc_ValueError,
-                        "HitPath: expected the catalog's memoryview and its layout (word offsets "
-                        "past the header, positive sizes)");
+                        "HitPath: expected the catalog's writable memoryview and its layout (word "
+                        "offsets past the header, positive sizes)");
         return -1;
     }
     faults = PyModule_GetDict(fault_points);

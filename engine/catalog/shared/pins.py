@@ -86,13 +86,16 @@ class Pins(CatalogState):
             b = self._sl + s * SLOT_WORDS
             if entry is None or w[b + S_GEN] != entry.generation or w[b + S_STATE] != READY:
                 s = self._expect(key, READY, "unpin")
-            pn, pid, start = self._pn, self._pid, self._start
-            r = w[self._sl + s * SLOT_WORDS + S_PIN_HEAD]
+            pn, pid, start, records = self._pn, self._pid, self._start, self._npins
+            r, hops = w[self._sl + s * SLOT_WORDS + S_PIN_HEAD], 0
             while r >= 0:  # this process's record (_my_pin, inlined: the hot path)
+                if r >= records or hops >= records:
+                    self._bad_pin_list(s, r, hops)
                 p = pn + r * PIN_WORDS
                 if w[p + P_PID] == pid and w[p + P_START] == start:
                     break
                 r = w[p + P_NEXT]
+                hops += 1
             if r < 0:
                 raise self._not_pinned(key, s, 0)
             self._unpin_slot(s, r)
@@ -114,7 +117,9 @@ class Pins(CatalogState):
         except BaseException as exc:
             if isinstance(exc, CatalogError):
                 for s in reversed(done):
-                    self._unpin_slot(s, self._my_pin(s))
+                    r = self._my_pin(s)  # (after a rebuild too: it keeps live pins)
+                    if r >= 0:
+                        self._unpin_slot(s, r)
             self._exit(isinstance(exc, CatalogError))
             raise
         self._exit()
@@ -172,14 +177,17 @@ class Pins(CatalogState):
         """One more pin of READY slot ``s`` by this process (lock held, dirty set); the
         item's pins now."""
         w, b, pn = self._w, self._sl + s * SLOT_WORDS, self._pn
-        pid, start = self._pid, self._start
+        pid, start, records = self._pid, self._start, self._npins
         head = r = w[b + S_PIN_HEAD]
-        p = -1
+        p, hops = -1, 0
         while r >= 0:  # this process's record, if it pins the item already
+            if r >= records or hops >= records:
+                self._bad_pin_list(s, r, hops)
             p = pn + r * PIN_WORDS
             if w[p + P_PID] == pid and w[p + P_START] == start:
                 break
             r = w[p + P_NEXT]
+            hops += 1
         if r < 0:
             r = w[H_PIN_FREE]
             if r < 0 and self._reap():
@@ -191,6 +199,9 @@ class Pins(CatalogState):
                     "create the catalog with a larger max_pins"
                 )
             p = pn + r * PIN_WORDS
+            if r >= records or w[p + P_COUNT]:  # past the records, or one in use
+                self._corrupt(f"the pin free list's head is record {r} of {records}"
+                              + ("" if r >= records else f", with a count of {w[p + P_COUNT]}"))
             w[H_PIN_FREE] = w[p + P_NEXT]
             w[p + P_SLOT] = s
             w[p + P_PID] = pid
@@ -233,20 +244,30 @@ class Pins(CatalogState):
     def _my_pin(self, s: int) -> int:
         """This process's pin record of slot ``s``, or -1."""
         w, pn, pid, start = self._w, self._pn, self._pid, self._start
-        r = w[self._sl + s * SLOT_WORDS + S_PIN_HEAD]
+        r, hops, records = w[self._sl + s * SLOT_WORDS + S_PIN_HEAD], 0, self._npins
         while r >= 0:
+            if r >= records or hops >= records:
+                self._bad_pin_list(s, r, hops)
             p = pn + r * PIN_WORDS
             if w[p + P_PID] == pid and w[p + P_START] == start:
                 return r
             r = w[p + P_NEXT]
+            hops += 1
         return -1
+
+    def _bad_pin_list(self, s: int, r: int, hops: int) -> None:
+        self._corrupt(f"slot {s}'s pin list reaches record {r} after {hops} records "
+                      f"(records: {self._npins})")  # fmt: skip
 
     def _unlink_pin(self, s: int, r: int) -> None:
         w, pn = self._w, self._pn
         head = self._sl + s * SLOT_WORDS + S_PIN_HEAD
-        prev, cur = -1, w[head]
+        prev, cur, hops = -1, w[head], 0
         while cur != r:
+            if not 0 <= cur < self._npins or hops >= self._npins:  # r is not on it
+                self._bad_pin_list(s, cur, hops)
             prev, cur = cur, w[pn + cur * PIN_WORDS + P_NEXT]
+            hops += 1
         nxt = w[pn + r * PIN_WORDS + P_NEXT]
         if prev < 0:
             w[head] = nxt

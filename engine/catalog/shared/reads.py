@@ -30,7 +30,9 @@ from .format import (
     H_RECOVERIES,
     H_RESERVE_FAILURES,
     H_STORED,
+    MAX_DIMS,
     READY,
+    S_BLOCKS,
     S_CRC,
     S_DIMS,
     S_DTYPE,
@@ -81,12 +83,18 @@ class Reads(CatalogState):
     def _find(self, kb: bytes, h: int) -> int:
         w, k, mk, sl = self._w, self._k, self._mkey, self._sl
         s = w[self._bk + (h & self._hmask)]
-        n = len(kb)
+        n, slots, hops = len(kb), self._nslots, 0
         while s >= 0:
+            if s >= slots or hops >= slots:  # past the table, or a cycle
+                self._corrupt(f"hash chain of bucket {h & self._hmask} reaches slot {s} "
+                              f"after {hops} hops (slots: {slots})")  # fmt: skip
             b = sl + s * SLOT_WORDS
             if w[b + S_HASH] == h and w[b + S_KLEN] == n and k[s * mk : s * mk + n] == kb:
+                if w[b + S_STATE] not in STATE:  # FREE, or no state: not a key's slot
+                    self._corrupt(f"slot {s} is on a hash chain in state {w[b + S_STATE]}")
                 return s
             s = w[b + S_HNEXT]
+            hops += 1
         return -1
 
     def _slot_of(self, key: str) -> int:
@@ -97,7 +105,7 @@ class Reads(CatalogState):
         entry = self._seen.get(key)
         if entry is not None:
             b = self._sl + entry.slot * SLOT_WORDS
-            if w[b + S_GEN] == entry.generation and w[b + S_STATE] != FREE:
+            if w[b + S_GEN] == entry.generation and w[b + S_STATE] in STATE:
                 return entry.slot
         kb = key.encode()
         s = self._find(kb, zlib.crc32(kb))
@@ -115,9 +123,13 @@ class Reads(CatalogState):
         w, b = self._w, self._sl + s * SLOT_WORDS
         gen = w[b + S_GEN]
         state = w[b + S_STATE]
+        if state not in STATE:  # FREE (on a hash chain) or no state at all
+            self._corrupt(f"slot {s} is read as an entry in state {state}")
         if key is None:
-            mk = self._mkey
-            key = bytes(self._k[s * mk : s * mk + w[b + S_KLEN]]).decode()
+            mk, klen = self._mkey, w[b + S_KLEN]
+            if not 0 < klen <= mk:
+                self._corrupt(f"slot {s} holds a key of {klen} bytes (at most {mk})")
+            key = bytes(self._k[s * mk : s * mk + klen]).decode()
         entry = self._seen.get(key)
         if entry is not None and (entry.slot != s or entry.generation != gen):
             entry = None  # an earlier reservation of the key
@@ -126,12 +138,11 @@ class Reads(CatalogState):
             return entry
         # Rebuilt when new, or first seen READY (commit may set dtype and shape).
         if entry is None or (entry.state is _WRITING and state == READY):
-            i, en = self._i, self._en
-            extents, e = [], w[b + S_EXT]
-            while e >= 0:
-                extents.append(Extent(e, i[self._ec + e]))
-                e = i[en + e]
-            shape = tuple(w[b + S_DIMS : b + S_DIMS + w[b + S_NDIM]])
+            extents = [Extent(e, c) for e, c in self._extent_chain(s, b)]
+            ndim = w[b + S_NDIM]
+            if not 0 <= ndim <= MAX_DIMS:
+                self._corrupt(f"slot {s} holds a shape of {ndim} dimensions")
+            shape = tuple(w[b + S_DIMS : b + S_DIMS + ndim])
             dtype = bytes(self._w[b + S_DTYPE : b + S_DTYPE + 2].cast("B")).rstrip(b"\0").decode()
             producer = (w[b + S_PID], w[b + S_START])
             entry = SharedEntry(key, extents, w[b + S_NBYTES], dtype, shape, slot=s,
@@ -142,6 +153,24 @@ class Reads(CatalogState):
         entry.pins = w[b + S_PINS]
         entry.checksum = None if crc < 0 else crc
         return entry
+
+    def _extent_chain(self, s: int, b: int) -> list[tuple[int, int]]:
+        """Slot ``s``'s extents (its words at ``b``), each checked to lie below the ready
+        watermark before its successor is read; the walk ends after as many extents as
+        there are blocks (a longer chain cycles) and must cover the slot's blocks."""
+        w, i, ec, en = self._w, self._i, self._ec, self._en
+        wm, chain, total, e = w[H_READY_BLOCKS], [], 0, w[b + S_EXT]
+        while e >= 0:
+            c = i[ec + e] if e < wm else 0
+            if c <= 0 or c > wm - e or len(chain) >= wm:
+                self._corrupt(f"slot {s}'s extent chain reaches ({e}, {c}) after "
+                              f"{len(chain)} extents (ready blocks: {wm})")  # fmt: skip
+            chain.append((e, c))
+            total += c
+            e = i[en + e]
+        if total != w[b + S_BLOCKS]:
+            self._corrupt(f"slot {s}'s extents hold {total} blocks, its count {w[b + S_BLOCKS]}")
+        return chain
 
     def _remember(self, key: str, entry: SharedEntry) -> None:
         if len(self._seen) >= self.layout.max_items and key not in self._seen:
@@ -185,6 +214,8 @@ class Reads(CatalogState):
                 f"key {key!r} is not in the catalog (never reserved, aborted or evicted)"
             )
         found = self._w[self._sl + s * SLOT_WORDS + S_STATE]
+        if found not in STATE:  # a FREE (or no) state on a key's hash chain
+            self._corrupt(f"slot {s} of key {key!r} is on a hash chain in state {found}")
         if state is not None and found != state:
             raise ItemStateError(
                 f"{op}({key!r}) needs an item in state {STATE[state].value!r}, "

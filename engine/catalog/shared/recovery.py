@@ -181,8 +181,11 @@ class Recovery(CatalogState):
                 self._drop(s, evicted=False)
                 n += 1
             elif state == READY and w[b + S_PINS]:
-                r = w[b + S_PIN_HEAD]
+                r, hops = w[b + S_PIN_HEAD], 0
                 while r >= 0:
+                    if r >= self._npins or hops >= self._npins:
+                        self._bad_pin_list(s, r, hops)
+                    hops += 1
                     p = pn + r * PIN_WORDS
                     nxt = w[p + P_NEXT]
                     if not alive(w[p + P_PID], w[p + P_START], seen):

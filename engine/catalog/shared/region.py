@@ -249,4 +249,7 @@ class CatalogRegion(CatalogState):
         self._pn = lay.pins_at // 8
         self._mkey = lay.max_key_bytes
         self._hmask = lay.buckets - 1
+        # Table sizes: every index read from the region is checked against them before
+        # it is followed, and every walk is bounded by them (LockProtocol._corrupt).
+        self._nslots, self._npins, self._nblocks = lay.max_items, lay.max_pins, n
         self._fast = shared_catalog_native.hit_path(self)  # C hits, pins, unpins (or None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from ...base.errors import CatalogError
 from ..allocator import Extent
@@ -50,6 +50,11 @@ class CatalogState:
     _fe: int
     _fn: int
     _fp: int
+    # the tables' sizes: every index read from the region is checked against them before
+    # it is followed, every walk bounded by them
+    _nslots: int
+    _npins: int
+    _nblocks: int
     _seen: dict[str, SharedEntry]  # key -> the entry this object saw READY
     _last_reap: float  # monotonic time of the last sweep for dead owners
     _ready_of: Callable[[], int] | None  # the arena's ready blocks (follow_ready)
@@ -72,6 +77,7 @@ class CatalogState:
         def _lock(self) -> None: ...
         def _unlock(self) -> None: ...
         def _native_lock(self, rc: int) -> None: ...
+        def _corrupt(self, what: str) -> NoReturn: ...
 
         # reads.py
         def _find(self, kb: bytes, h: int) -> int: ...
@@ -85,6 +91,7 @@ class CatalogState:
         # pins.py
         def _pin_slot(self, s: int, key: str) -> int: ...
         def _unlink_pin(self, s: int, r: int) -> None: ...
+        def _bad_pin_list(self, s: int, r: int, hops: int) -> None: ...
 
         # lru.py
         def _lru_touch(self, s: int, b: int) -> None: ...

@@ -1,0 +1,218 @@
+"""No table, size or launch parameter makes pack/unpack address outside the buffers given.
+
+Each test feeds one hostile input to a public entry point (pack, unpack,
+plan_copy, StepTable's constructors and unpickling) and checks that it is
+refused with a PlanError and, where a kernel could run, that poison around the
+output is untouched. Both planner passes run each: the C pass where it is
+built, and the Python passes (``native.planner`` answering None).
+"""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from ecoffload.kernels import LaunchConfig, PlanError, native, pack, plan_copy, unpack
+from ecoffload.kernels.api import triton_available
+from ecoffload.kernels.step_table import StepTable
+
+B = 4096
+POISON = 0xA5
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(params=["c-pass", "python"])
+def passes(request, monkeypatch):
+    """The planner's C pass (where built) or the Python passes alone."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "planner", lambda: None)
+    elif native.planner() is None:
+        pytest.skip("the planner's C pass is not built on this host")
+    return request.param
+
+
+def poisoned(nbytes: int, pad: int = 2 * B) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, output): ``nbytes`` bytes inside a buffer poisoned ``pad`` bytes either side."""
+    buf = torch.full((pad + nbytes + pad,), POISON, dtype=torch.uint8, device=DEVICE)
+    return buf, buf[pad : pad + nbytes]
+
+
+def assert_poison_intact(buf: torch.Tensor, nbytes: int, pad: int = 2 * B) -> None:
+    outside = torch.cat([buf[:pad], buf[pad + nbytes :]]).cpu()
+    written = int((outside != POISON).sum())
+    assert written == 0, f"{written} bytes written outside the output"
+
+
+def uncovering_step() -> StepTable:
+    """One item of one block whose bounds start at 1: extent 0 belongs to no item (the
+    table the issue's unpack wrote 4 KiB past its output with)."""
+    extents = np.array([[0, 1], [1, 1]], np.int64)
+    step = StepTable.from_tables([[(0, 1)], [(1, 1)]])  # a valid table, then its bounds
+    step.bounds = np.array([1, 2], np.int64)  # the arrays are mutable: planned as found
+    step.extents = extents
+    return step
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("direction", ["unpack", "pack"])
+def test_a_step_table_whose_bounds_do_not_cover_its_extents_writes_nothing(
+    passes, backend, direction
+):
+    if backend == "triton" and not triton_available(DEVICE):
+        pytest.skip("Triton cannot run here")
+    arena = torch.arange(4 * B, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+    arena_before = arena.clone()
+    buf, out = poisoned(B)
+    with pytest.raises(PlanError, match="bounds must run from 0 to the 2 extents"):
+        if direction == "unpack":
+            unpack(arena, uncovering_step(), B, [out], backend=backend)
+        else:
+            pack([out], uncovering_step(), arena, B, backend=backend)
+    assert_poison_intact(buf, B)
+    assert (out == POISON).all() and torch.equal(arena, arena_before)
+
+
+@pytest.mark.parametrize(
+    "bounds", [[1, 2], [0, 1], [0, 3], [0, 2, 1, 2], [0, 1, 0, 2], []],
+    ids=["not-from-0", "short", "past", "down", "down-to-0", "none"],
+)  # fmt: skip
+def test_every_way_to_make_a_step_table_checks_its_bounds(bounds):
+    extents = np.array([[0, 1], [1, 1]], np.int64)
+    bounds = np.array(bounds, np.int64)
+    with pytest.raises(PlanError, match="bounds must"):
+        StepTable(extents, bounds)
+    with pytest.raises(PlanError, match="bounds must"):
+        StepTable._made(extents, bounds)
+    good = StepTable(extents, np.array([0, 2], np.int64))
+    good.bounds = bounds
+    wire = pickle.dumps(good)  # what a scheduler with a bug (or a stranger) would send
+    with pytest.raises(PlanError, match="bounds must"):
+        pickle.loads(wire)
+
+
+@pytest.mark.parametrize(
+    "extents", [np.zeros(4, np.int64), np.zeros((2, 3), np.int64), np.zeros((2, 2), np.int32),
+                np.zeros((2, 2), ">i8"), np.zeros((4, 2), np.int64)[::2], [[0, 1], [1, 1]]],
+    ids=["flat", "three-columns", "int32", "big-endian", "strided", "a-list"],
+)  # fmt: skip
+def test_step_arrays_the_c_pass_cannot_read_are_refused_by_both_passes(passes, extents):
+    step = StepTable.from_tables([[(0, 1)], [(1, 1)]])
+    step.extents = extents
+    with pytest.raises(PlanError, match="a step table's extents must be a C-contiguous"):
+        plan_copy([0, B], [B, B], step, block_bytes=B, arena_bytes=4 * B, items_bytes=2 * B)
+    c_pass = native.load() if passes == "c-pass" else None
+    if c_pass is not None:  # directly: what it would plan, were it asked
+        got = c_pass.plan_step([0, B], [B, B], extents, step.bounds, B, 4 * B, 2 * B, 1024, 0,
+                               0, 1)  # fmt: skip
+        assert got is None
+
+
+@pytest.mark.parametrize("tile_bytes", [0, -1, -16384])
+@pytest.mark.parametrize("shape", ["few", "fragmented", "step-table"])
+def test_tile_bytes_that_are_not_positive_are_refused_in_every_pass(passes, tile_bytes, shape):
+    n = 1 if shape == "few" else 200  # >= VECTORISE_FROM extents: the numpy pass
+    tables = [[(2 * k, 1) for k in range(n)]]
+    if shape == "step-table":
+        tables = StepTable.from_tables(tables)
+    with pytest.raises(PlanError, match=f"tile_bytes must be positive, got {tile_bytes}"):
+        plan_copy([0], [n * B], tables, block_bytes=B, arena_bytes=2 * n * B, items_bytes=n * B,
+                  tile_bytes=tile_bytes)  # fmt: skip
+
+
+def test_a_launch_config_with_no_tile_bytes_is_refused_before_any_copy(passes):
+    arena = torch.zeros(4 * B, dtype=torch.uint8, device=DEVICE)
+    buf, out = poisoned(B)
+    with pytest.raises(PlanError, match="tile_bytes must be positive, got 0"):
+        unpack(arena, [[(0, 1)]], B, [out], config=LaunchConfig(4, 4, tile_bytes=0))
+    assert (buf == POISON).all()
+
+
+def test_a_negative_arena_is_refused_by_both_passes(passes):
+    with pytest.raises(PlanError, match="arena_bytes must not be negative"):
+        plan_copy([0], [0], [[]], block_bytes=B, arena_bytes=-B, items_bytes=0)
+
+
+class Boastful(torch.Tensor):
+    """A tensor that says it holds twice its bytes (an ``nbytes`` property)."""
+
+    @property
+    def nbytes(self):
+        return 2 * torch.Tensor.nbytes.__get__(self)
+
+
+class Deceiving(torch.Tensor):
+    """A tensor whose ``__torch_function__`` answers twice its bytes and an address a
+    block past its own, through any accessor (torch.Tensor's own included)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        got = super().__torch_function__(func, types, args, kwargs or {})
+        if getattr(func, "__self__", None) is torch.Tensor.nbytes or func is torch.Tensor.numel:
+            return 2 * got  # the nbytes getter (a method-wrapper of its descriptor), numel
+        if func is torch.Tensor.data_ptr:
+            return got + B
+        return got
+
+
+@pytest.mark.parametrize("liar", [Boastful, Deceiving])
+@pytest.mark.parametrize("direction", ["unpack", "pack"])
+@pytest.mark.kernel
+def test_a_tensor_that_lies_about_its_size_is_measured_by_torch_itself(passes, liar, direction):
+    if not triton_available(DEVICE):
+        pytest.skip("Triton cannot run here")
+    backend = "triton"
+    arena = torch.arange(4 * B, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+    arena_before = arena.clone()
+    buf, out = poisoned(B)
+    item = out.as_subclass(liar)  # the same memory: B bytes, claiming 2 B
+    with pytest.raises(PlanError, match="runs 1 block"):
+        if direction == "unpack":
+            unpack(arena, [[(0, 2)]], B, [item], backend=backend)
+        else:
+            pack([item], [[(0, 2)]], arena, B, backend=backend)
+    assert_poison_intact(buf, B)
+    assert torch.equal(arena, arena_before)
+    # The truth is planned as usual: a subclass is no error, its lie is.
+    unpack(arena, [[(1, 1)]], B, [item], backend=backend)
+    assert torch.equal(out, arena_before[B : 2 * B]) and (buf[: 2 * B] == POISON).all()
+    assert_poison_intact(buf, B)
+
+
+def test_the_c_layout_leaves_subclasses_and_modes_to_torch(passes):
+    if passes != "c-pass":
+        pytest.skip("the C item layout")
+    c_pass = native.load()
+    plain = torch.zeros(16, dtype=torch.uint8)
+    assert c_pass.item_layout([plain]) is not None
+    assert c_pass.item_layout([plain.as_subclass(Boastful)]) is None
+    assert c_pass.item_layout([plain.as_subclass(Deceiving)]) is None
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert c_pass.item_layout([plain]) is None
+
+
+def test_a_tile_as_large_as_int64_plans_alike_in_every_pass(passes):
+    """The numpy pass counted tiles as ``(take + tile_bytes - 1) // tile_bytes``: int64
+    wrapped and every segment got -1 tiles (the differential fuzzer's find)."""
+    step = StepTable.from_tables([[(0, 1)], [(2, 1)]])
+    got = plan_copy([0, B], [B, 100], step, block_bytes=B, arena_bytes=4 * B,
+                    items_bytes=2 * B, tile_bytes=2**63 - 1, num_programs=4)  # fmt: skip
+    assert got.num_tiles == 3 and got.segments[:, 3].tolist() == [0, 1]  # 100 = 96 + a tail
+
+
+@pytest.mark.parametrize("name", ["items_bytes", "arena_bytes"])
+def test_buffers_past_int64_are_refused_not_overflowed(passes, name):
+    kw = {"block_bytes": B, "arena_bytes": 4 * B, "items_bytes": 2 * B, name: 2**63 + B}
+    with pytest.raises(PlanError, match="past int64"):
+        plan_copy([2**63 - 1], [B], [[(0, 1)]], **kw)
+
+
+def test_tables_of_ints_past_int64_are_a_plan_error():
+    with pytest.raises(PlanError, match=r"\(start, count\) pairs of int64s"):
+        StepTable.from_tables([[(0, 2**63)]])
