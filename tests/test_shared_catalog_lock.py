@@ -39,7 +39,13 @@ from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import ArenaLayoutMismatch, CatalogLockError
 from ecoffload.engine.liveness import boot_id, process_start_time
 from ecoffload.engine.shared_catalog import SharedCatalog
-from ecoffload.engine.shared_catalog_format import H_BOOT, H_VERSION, MUTEX_AT, MUTEX_SLOT
+from ecoffload.engine.shared_catalog_format import (
+    H_BOOT,
+    H_VERSION,
+    MUTEX_AT,
+    MUTEX_SLOT,
+    VERSION,
+)
 
 # "name#2": the point's second pass (a nested pin's count, the last unpin's unlink)
 UPDATE_POINTS = ["reserve:written", "commit:published", "pin:record", "pin:record#2",
@@ -423,7 +429,7 @@ def test_a_file_of_the_previous_format_is_refused_before_its_lock_is_touched(tmp
     c._w[H_VERSION] = 2  # as a catalog of the fcntl-locked format leaves it
     c._w[MUTEX_AT // 8 : MUTEX_AT // 8 + 8] = memoryview(bytes(64)).cast("q")  # no mutex
     c.close()
-    with pytest.raises(ArenaLayoutMismatch, match="'catalog version' is 2, expected 3"):
+    with pytest.raises(ArenaLayoutMismatch, match=f"'catalog version' is 2, expected {VERSION}"):
         reopen(path)
 
 
