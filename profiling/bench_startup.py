@@ -70,9 +70,12 @@ def run_once(size: int, mode: str, directory: str, item: torch.Tensor) -> tuple[
     return created, first, ready
 
 
-def fill_persistent(name: str, size: int, item_bytes: int, block_bytes: int, directory: str) -> int:
-    """A persistent shared arena of ``size`` bytes full of ``item_bytes`` items, each
-    committed with its CRC-32, then closed (nobody holds it); how many items."""
+def fill_persistent(
+    name: str, size: int, item_bytes: int, block_bytes: int, directory: str
+) -> list[int]:
+    """A persistent shared arena of ``size`` bytes full of ``item_bytes`` items
+    (``item-<i>``: random bytes, the first 8 the index), each committed with its CRC-32,
+    then closed (nobody holds it). The file offset of each item's first byte."""
     import numpy as np
 
     from ..engine.shared_cache import open_catalog, open_shared_arena
@@ -84,13 +87,10 @@ def fill_persistent(name: str, size: int, item_bytes: int, block_bytes: int, dir
     with arena, open_catalog(arena, max_items=size // item_bytes) as catalog:
         host = arena.host.numpy()
         tile = np.random.default_rng(0).integers(0, 256, item_bytes, dtype=np.uint8)
-        n = 0
-        while True:
+        n, offsets, data_at = 0, [], arena.meta_offset + arena.meta_bytes
+        need = -(-item_bytes // block_bytes)
+        while n < size // item_bytes and catalog.stats().free_blocks >= need:  # no eviction
             entry = catalog.reserve(f"item-{n}", item_bytes)
-            if entry is None or catalog.stats().evictions:
-                if entry is not None:
-                    catalog.abort(entry.key)
-                break
             tile[:8] = np.frombuffer(n.to_bytes(8, "little"), dtype=np.uint8)
             left = item_bytes
             for start, count in entry.extents:
@@ -99,9 +99,10 @@ def fill_persistent(name: str, size: int, item_bytes: int, block_bytes: int, dir
                 host[at : at + take] = tile[item_bytes - left : item_bytes - left + take]
                 left -= take
             catalog.commit(entry.key, item_crc32(host, entry.extents, block_bytes, item_bytes))
+            offsets.append(data_at + entry.extents[0][0] * block_bytes)
             n += 1
         del host
-    return n
+    return offsets
 
 
 def _joiner(name: str, directory: str, block_bytes: int, num_blocks: int, max_items: int,
@@ -144,7 +145,7 @@ def run_warm(size: int, item_bytes: int, block_bytes: int, directory: str) -> tu
     name = f"ecoffload-bench-warm-{os.getpid()}"
     max_items, num_blocks = size // item_bytes, size // block_bytes
     try:
-        n = fill_persistent(name, size, item_bytes, block_bytes, directory)
+        n = len(fill_persistent(name, size, item_bytes, block_bytes, directory))
         ctx = mp.get_context("spawn")
         go, out = ctx.Event(), ctx.Queue()
         joiner = ctx.Process(target=_joiner, args=(name, directory, block_bytes, num_blocks,
