@@ -129,6 +129,20 @@ class Verification:
         return 1.0 if self.nbytes <= 0 else min(1.0, max(0.0, 1 - self.bytes_left / self.nbytes))
 
 
+def _chain(rows: np.ndarray, members: np.ndarray, link: int, zero: int | None = None) -> None:
+    """Link ``rows[members]`` into a list in ascending order through word ``link`` (the
+    last one -1), zeroing word ``zero`` of each."""
+    if zero is not None:
+        rows[members, zero] = 0
+    nxt = np.full(len(members), -1, dtype=np.int64)
+    nxt[:-1] = members[1:]
+    rows[members, link] = nxt
+
+
+def _head(members: np.ndarray) -> int:
+    return int(members[0]) if len(members) else -1
+
+
 class Recovery:
     """reap / recover / verify (a mixin of the shared catalog)."""
 
@@ -359,6 +373,53 @@ class Recovery:
             e = i[self._en + e]
         return s, w[b + S_GEN], extents, w[b + S_NBYTES], w[b + S_CRC]
 
+    # numpy passes over the region (no view outlives its call: a live one would keep
+    # close() from unmapping, also from a traceback that holds the caller's frame).
+
+    def _slots_where(self, predicate) -> list[int]:
+        """The slots whose row of the slot table satisfies ``predicate`` (vectorised)."""
+        table = self._slot_table()
+        found = np.flatnonzero(predicate(table)).tolist()
+        del table
+        return found
+
+    def _pin_records_counted(self) -> list[int]:
+        """Pin records with a count (candidates to keep), ascending."""
+        lay = self.layout
+        records = np.frombuffer(self._mm, dtype=np.int64, count=lay.max_pins * PIN_WORDS,
+                                offset=lay.pins_at).reshape(lay.max_pins, PIN_WORDS)  # fmt: skip
+        found = np.flatnonzero(records[:, P_COUNT] > 0).tolist()
+        del records
+        return found
+
+    def _free_pin_records(self, free: np.ndarray) -> None:
+        """Zero pin records ``free`` (ascending) and make them the free list, in that order
+        (what pushing them in descending order made)."""
+        lay, w = self.layout, self._w
+        records = np.frombuffer(self._mm, dtype=np.int64, count=lay.max_pins * PIN_WORDS,
+                                offset=lay.pins_at).reshape(lay.max_pins, PIN_WORDS)  # fmt: skip
+        w[H_PIN_FREE] = -1
+        _chain(records, free, P_NEXT, zero=P_COUNT)
+        del records
+        w[H_PIN_FREE] = _head(free)
+
+    def _reset_slot_lists(self) -> list[int]:
+        """Empty the hash buckets, clear marks of slots that are not READY, chain the FREE
+        slots into the free list (ascending); the slots in use, ascending."""
+        lay, w = self.layout, self._w
+        np.frombuffer(self._mm, dtype=np.int64, count=lay.buckets, offset=lay.buckets_at)[:] = -1
+        table = self._slot_table()
+        state = table[:, S_STATE]
+        stale = np.flatnonzero((table[:, S_VERIFY] != VERIFIED) & (state != READY))
+        table[stale, S_VERIFY] = VERIFIED  # a mark is a READY item's only
+        free = np.flatnonzero(state == FREE)
+        w[H_SLOT_FREE] = -1
+        _chain(table, free, S_HNEXT)
+        in_use = np.flatnonzero(state != FREE).tolist()
+        del table, state
+        w[H_SLOT_FREE] = _head(free)
+        return in_use
+
     def _data_view(self) -> mmap.mmap:
         """The arena's data area, mapped read-only on first use."""
         if self._data_mm is None:
@@ -383,7 +444,10 @@ class Recovery:
         w, sl, pn = self._w, self._sl, self._pn
         seen: dict = {}
         n = 0
-        for s in range(self.layout.max_items):
+        todo = self._slots_where(  # the slots that may need it, in one numpy pass
+            lambda t: (t[:, S_STATE] == WRITING) | ((t[:, S_STATE] == READY) & (t[:, S_PINS] != 0))
+        )
+        for s in todo:
             b = sl + s * SLOT_WORDS
             state = w[b + S_STATE]
             if state == WRITING and not alive(w[b + S_PID], w[b + S_START], seen):
@@ -422,11 +486,9 @@ class Recovery:
         seen: dict = {}
         ready: list[tuple[int, int]] = []
         i = self._i
-        for s in range(lay.max_items):
+        for s in self._slots_where(lambda t: t[:, S_STATE] != FREE):
             b = sl + s * SLOT_WORDS
             state = w[b + S_STATE]
-            if state == FREE:
-                continue
             ok = state in (WRITING, READY) and 0 < w[b + S_KLEN] <= mk
             ok = ok and (state == READY or alive(w[b + S_PID], w[b + S_START], seen))
             total, e, chain, hops = 0, w[b + S_EXT], [], 0
@@ -453,36 +515,24 @@ class Recovery:
         fault("recover:slots")
         # Pins: records of live processes on READY slots are kept; the rest freed.
         pins: dict[int, list[int]] = {}
-        w[H_PIN_FREE] = -1
-        for r in range(lay.max_pins - 1, -1, -1):
+        kept = np.zeros(lay.max_pins, dtype=bool)
+        for r in self._pin_records_counted()[::-1]:
             p = pn + r * PIN_WORDS
             s = w[p + P_SLOT]
-            keep = (
-                w[p + P_COUNT] > 0
-                and 0 <= s < lay.max_items
+            if (
+                0 <= s < lay.max_items
                 and w[sl + s * SLOT_WORDS + S_STATE] == READY
                 and alive(w[p + P_PID], w[p + P_START], seen)
-            )
-            if keep:
+            ):
                 pins.setdefault(s, []).append(r)
-            else:
-                w[p + P_COUNT] = 0
-                w[p + P_NEXT] = w[H_PIN_FREE]
-                w[H_PIN_FREE] = r
+                kept[r] = True
+        self._free_pin_records(np.flatnonzero(~kept))
         # Slots: free list, hash chains, pins, counters.
-        for bkt in range(lay.buckets):
-            w[self._bk + bkt] = -1
-        w[H_SLOT_FREE] = -1
+        in_use = self._reset_slot_lists()[::-1]
         items = ready_items = ready_bytes = evictable = left = left_bytes = 0
-        for s in range(lay.max_items - 1, -1, -1):
+        for s in in_use:  # descending: each bucket's chain ends up in ascending slot order
             b = sl + s * SLOT_WORDS
             state = w[b + S_STATE]
-            if state != READY:
-                w[b + S_VERIFY] = VERIFIED  # a mark is a READY item's only
-            if state == FREE:
-                w[b + S_HNEXT] = w[H_SLOT_FREE]
-                w[H_SLOT_FREE] = s
-                continue
             items += 1
             bucket = self._bk + (w[b + S_HASH] & self._hmask)
             w[b + S_HNEXT] = w[bucket]
