@@ -20,6 +20,7 @@ import pytest
 
 from ecoffload.engine import fault_points
 from ecoffload.engine.arena import Arena
+from ecoffload.engine.arena_survey import CatalogSnapshot
 from ecoffload.engine.catalog import ItemState
 from ecoffload.engine.errors import InvalidSizeError, ItemStateError
 from ecoffload.engine.items import item_crc32
@@ -183,6 +184,8 @@ def test_an_unverified_item_is_a_miss_for_every_reader_until_checked(arena_dir):
         SharedCatalog(arena.fileno(), arena.meta_offset, arena.meta_bytes) as blind,
     ):  # fmt: skip
         assert marked == [(3, 3 * SMALL_BLOCK, 1)] and arena.warm_started
+        seen = {i.key: i.state for i in CatalogSnapshot.take(arena.path).items()}
+        assert seen == {"a": "unverified", "b": "unverified", "c": "unverified", "plain": "ready"}
         assert catalog.state("a") is ItemState.UNVERIFIED and "a" not in catalog
         assert catalog.state("plain") is ItemState.READY and "plain" in catalog
         with pytest.raises(ItemStateError) as err:

@@ -67,7 +67,9 @@ def inspect_report(name: str, directory: str) -> dict[str, Any]:
     extents = snapshot.free_extents()
     error = snapshot.check()
     report.update(
-        items_by_state={s: sum(i.state == s for i in items) for s in ("writing", "ready")},
+        items_by_state={
+            s: sum(i.state == s for i in items) for s in ("writing", "ready", "unverified")
+        },
         items=[asdict(i) for i in items],
         pins=[
             {"key": i.key, **asdict(p)} for i in items for p in i.pinned_by
