@@ -103,6 +103,7 @@ from .shared_catalog_format import (
     SLOT_WORDS,
     STATE,
     UNVERIFIED,
+    VERIFIED,
     WRITING,
     Layout,
     SharedEntry,
@@ -190,7 +191,7 @@ class SharedCatalog(
             w[b + S_PID] = pid
             w[b + S_START] = start
             w[b + S_CRC] = -1
-            w[b + S_VERIFY] = 0
+            w[b + S_VERIFY] = VERIFIED
             w[b + S_HASH] = h
             w[b + S_KLEN] = len(kb)
             w[b + S_NDIM] = len(dims)
@@ -435,7 +436,7 @@ class SharedCatalog(
             if w[b + S_VERIFY] == UNVERIFIED:
                 w[H_VERIFY_LEFT] -= 1
                 w[H_VERIFY_LEFT_BYTES] -= nbytes
-            w[b + S_VERIFY] = 0
+            w[b + S_VERIFY] = VERIFIED
         if state == READY:
             self._lru_unlink(s)
             w[H_EVICTABLE] -= blocks
