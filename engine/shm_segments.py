@@ -220,28 +220,36 @@ def removable(segments: list[Segment], names: list[str] | None) -> list[Segment]
     return chosen
 
 
+def unlink_unheld(path: str, inode: int) -> bool:
+    """Remove ``path`` if it is still the file ``inode`` and no process holds it (under
+    a write lease where possible, as :func:`remove`); whether it was removed."""
+    try:
+        fd = _lease(path)
+    except BlockingIOError:
+        return False  # open in another process
+    try:
+        st = os.fstat(fd) if fd is not None else os.stat(path, follow_symlinks=False)
+        if st.st_ino != inode:
+            return False
+        if fd is None:
+            held, blind = _held()
+            if held.get((st.st_dev, st.st_ino)) or _could_open(st, blind):
+                return False
+        unlink_if_inode(path, inode)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        if fd is not None:
+            _unlease(fd)
+
+
+def kind_of(name: str) -> str:
+    """The kind :data:`KINDS` gives a segment's name ("unknown" if none)."""
+    return next((k for pattern, k, _ in KINDS if fnmatch.fnmatchcase(name, pattern)), "unknown")
+
+
 def remove(directory: str = DEFAULT_DIR, names: list[str] | None = None) -> list[Segment]:
     """Remove leaked segments (see :func:`removable`), each only if, surveyed again
     just before, nobody holds it and it is still the same file. The ones removed."""
-    done = []
-    for s in removable(survey(directory), names):
-        try:
-            fd = _lease(s.path)
-        except BlockingIOError:
-            continue  # opened meanwhile
-        try:
-            st = os.fstat(fd) if fd is not None else os.stat(s.path, follow_symlinks=False)
-            if st.st_ino != s.inode:
-                continue  # another file by that name now
-            if fd is None:  # no lease: /proc once more, just before
-                held, blind = _held()
-                if held.get((st.st_dev, st.st_ino)) or _could_open(st, blind):
-                    continue
-            unlink_if_inode(s.path, s.inode)
-            done.append(s)
-        except FileNotFoundError:
-            continue
-        finally:
-            if fd is not None:
-                _unlease(fd)
-    return done
+    return [s for s in removable(survey(directory), names) if unlink_unheld(s.path, s.inode)]
