@@ -21,6 +21,11 @@ forever and uvicorn's graceful shutdown waits for their connections. The
 launcher fails every request still unfinished once the engine client is shut
 down (``EngineDeadError``, as when the engine dies), so the server exits.
 
+On its way out it removes the shared-memory segments vLLM's processes left
+because the engine core was killed without grace (:mod:`.shm_watch`: the
+``*cpushm*`` files of a tensor-parallel server, ``psm_*`` caches), each only if
+no process holds it.
+
 The finder is appended after the path finders, so where a distribution named
 ``vllm`` exists (GPU builds) it is found first and nothing changes. vLLM's
 child processes (engine core, workers) are started by ``multiprocessing``
@@ -39,12 +44,14 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import os
 import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from . import cpu_build
+from .shm_watch import SegmentWatch
 
 # Under "vllm" so the message shows in vLLM's log format, beside its own shutdown lines.
 log = logging.getLogger("vllm.ecoffload_cli")
@@ -155,7 +162,12 @@ def main() -> None:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"
-    vllm_main()
+    watch = SegmentWatch().start() if os.path.isdir("/dev/shm") else None
+    try:
+        vllm_main()
+    finally:
+        if watch is not None:
+            watch.finish()
 
 
 if __name__ in ("__main__", "__mp_main__"):

@@ -71,6 +71,8 @@ DESCRIPTIONS = {
     "blocks_free": "Free blocks of the ecoffload arena.",
     "blocks_total": "Blocks of the ecoffload arena.",
     "arena_ready_fraction": "Share of the ecoffload arena pre-faulted and allocatable so far.",
+    "arena_verified_fraction": "Share of the bytes a warm restart kept whose CRC-32 is checked "
+    "so far (1 = every item served; unchecked items are misses until checked).",
     USAGE: "Used blocks of the ecoffload arena / all blocks (1 = full).",
 }
 

@@ -344,6 +344,7 @@ class SchedulerSide:
             blocks_free=catalog.free_blocks,
             blocks_total=self.catalog.allocator.num_blocks,
             arena_ready_fraction=self.arena.ready_fraction,
+            arena_verified_fraction=self.catalog.verification().fraction,
         )
         return counts
 

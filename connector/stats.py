@@ -51,6 +51,7 @@ GAUGES = (
     "blocks_free",
     "blocks_total",
     "arena_ready_fraction",  # share of the arena populated (allocatable) so far
+    "arena_verified_fraction",  # share of a warm start's items' bytes checked so far
 )
 
 

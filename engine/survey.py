@@ -77,6 +77,7 @@ from .catalog.shared.format import (
     S_START,
     S_STATE,
     S_TICK,
+    S_VERIFY,
     SLOT_WORDS,
     WRITING,
     Layout,
@@ -327,7 +328,8 @@ class CatalogSnapshot:
         return cls(path, previous, consistent=False)
 
     def items(self) -> list[ItemView]:
-        """Every WRITING or READY item, in slot order."""
+        """Every WRITING, READY or UNVERIFIED item (READY, not checked since a warm start),
+        in slot order."""
         w, lay = self._words, self.layout
         sl, pn, keys_at = lay.slots_at // 8, lay.pins_at // 8, lay.keys_at
         tick, cache = int(w[H_TICK]), {}
@@ -346,8 +348,11 @@ class CatalogSnapshot:
                 pins.append(Pin(pid, start, int(w[p + P_COUNT]), alive(pid, start, cache)))
                 r = int(w[p + P_NEXT])
             pid, start = int(w[b + S_PID]), int(w[b + S_START])
+            name = STATE_NAMES.get(state, str(state))
+            if state == READY and w[b + S_VERIFY]:  # since a warm start: a miss until checked
+                name = "unverified"
             found.append(ItemView(
-                key=key, state=STATE_NAMES.get(state, str(state)), nbytes=int(w[b + S_NBYTES]),
+                key=key, state=name, nbytes=int(w[b + S_NBYTES]),
                 blocks=int(w[b + S_BLOCKS]), pins=int(w[b + S_PINS]),
                 lru_age=tick - int(w[b + S_TICK]), producer_pid=pid,
                 producer_alive=alive(pid, start, cache), pinned_by=pins,

@@ -320,8 +320,10 @@ def test_a_persistent_shared_cache_restarts_warm_and_drops_corrupted_items(arena
     with OffloadCache.create("p", arena_bytes=16 * B, block_bytes=B, directory=arena_dir,
                              shared=True, persistent=True, integrity=True) as c:  # fmt: skip
         assert c.arena.warm_started
-        assert c.catalog.state("img-1") is None  # dropped at open, before any load
+        # A miss from the open on: unverified (the background check may have dropped it).
+        assert c.catalog.state("img-1") in (None, ItemState.UNVERIFIED)
         got = c.load(["img-0", "img-1", "img-2"])
+        assert c.catalog.state("img-1") is None  # its lookup checked it: dropped
         data = items(3)
         assert set(got) == {"img-0", "img-2"} and all(torch.equal(got[k], data[k]) for k in got)
         assert c.integrity_failures == 0 and c.stats().hits == 2
@@ -345,14 +347,31 @@ def test_a_warm_start_says_what_verification_kept_and_dropped(arena_dir, caplog)
     os.pwrite(fd, b"\xff\xfe", at)
     os.close(fd)
     with (
-        caplog.at_level(logging.INFO, logger="ecoffload.engine.shared_cache"),
+        caplog.at_level(logging.INFO, logger="ecoffload.engine"),
         OffloadCache.create("p", **kw) as c,
     ):
-        assert c.arena.warm_started and len(c.catalog) == 2
-    assert [r.getMessage() for r in caplog.records if r.name.endswith("shared_cache")] == [
-        f"ecoffload: warm start from {path}: 2 items kept, 1 dropped by verification"
+        assert c.arena.warm_started
+        wait_verified(c.catalog)
+        assert len(c.catalog) == 2 and c.catalog.verification().dropped == 1
+    said = [r.getMessage() for r in caplog.records if r.name.endswith(("cache", "catalog"))]
+    assert said[:2] == [
+        f"ecoffload: warm start from {path}: 3 items kept; 3 (6.4 KiB) to verify in the "
+        "background, misses until then; 0 without a CRC-32",
+        f"catalog {path}: item 'img-1' fails its CRC-32; dropped",
     ]
+    assert re.fullmatch(rf"catalog {re.escape(path)}: every item verified, [0-9.]+ s after "
+                        "the warm start; 1 dropped", said[2]), said  # fmt: skip
     assert Arena.remove_shared("p", directory=arena_dir)
+
+
+def wait_verified(catalog, timeout_s=30):
+    """Until no item of ``catalog`` is left unverified (its openers' background threads)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while catalog.verification().items_left:
+        assert time.monotonic() < deadline, catalog.verification()
+        time.sleep(0.005)
 
 
 def _slow_background_creator(arena_dir, created):

@@ -155,6 +155,9 @@ def test_persistent_arena_restarts_warm_and_drops_a_corrupted_item(arena_dir, mo
         cache = {}
         worker_step(worker, sched.build_connector_meta(SchedulerOutput.make_empty()), cache, {})
         assert torch.equal(cache["kept"], encoder_output(6, 0))
+        # Both checked by their lookups (or the background): the gauge says so.
+        assert sched.side.catalog.verification().items_left == 0
+        assert sched.side.stats()["arena_verified_fraction"] == 1.0
     finally:
         worker.shutdown()
         sched.shutdown()
@@ -452,7 +455,8 @@ def test_stats_hooks_report_deltas(pair):
     sched, worker = pair
     first = sched.get_ec_connector_stats()  # the arena's occupancy, once
     assert first.data == {"items_resident": 0, "bytes_resident": 0, "blocks_free": 64,
-                          "blocks_total": 64, "arena_ready_fraction": 1.0}  # fmt: skip
+                          "blocks_total": 64, "arena_ready_fraction": 1.0,
+                          "arena_verified_fraction": 1.0}  # fmt: skip
     assert sched.get_ec_connector_stats() is None
     sched.has_cache_item("nope")
     stats = sched.get_ec_connector_stats()

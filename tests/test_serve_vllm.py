@@ -17,6 +17,7 @@ part five times.
 import contextlib
 import mmap
 import os
+import tempfile
 import uuid
 
 import pytest
@@ -217,3 +218,27 @@ def test_shm_leftovers_sees_a_leak_but_not_files_still_held(tmp_path):
             os.unlink(path)
         os.rmdir(folder)
     assert not {os.path.basename(p) for p in (leak, held, folder)} & set(shm_leftovers(before, 0))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or (os.cpu_count() or 1) < 2,
+                    reason="needs /dev/shm and 2 CPUs")  # fmt: skip
+def test_a_tensor_parallel_server_stopped_under_load_leaves_nothing_in_dev_shm(
+    model_dir, images, tmp_path
+):
+    """TP=2 on the CPU build: its workers' ``*cpushm*`` files outlive the engine core that
+    vLLM's process manager SIGKILLs; the launcher removes them on its way out."""
+    shm_before = shm_entries()
+    # One NUMA node here: vLLM cannot bind 2 workers' threads itself; one CPU each.
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with Server.start(model_dir, connector=True, arena_dir=str(tmp_path),
+                      log_path=str(tmp_path / "tp2.log"), env=env,
+                      extra_args=["--tensor-parallel-size", "2"]) as server:  # fmt: skip
+        held = server.shm_held()
+        assert any("cpushm" in n for n in held), held
+        result = interrupt_under_load(server, images, clients=2, max_tokens=32,
+                                      timeout_s=SIGINT_LIMIT_S, group=True)  # fmt: skip
+        assert result.seconds is not None and result.seconds <= SIGINT_LIMIT_S, server.log()
+        assert result.group_exited, "a process of the server outlived it"
+        assert [n for n in shm_leftovers(shm_before) if n in held] == [], server.log()
+        stores = {n.split("-", 1)[0] for n in held if "cpushm" in n}  # vllm_dist_<id>
+        assert [s for s in stores if os.path.exists(os.path.join(tempfile.gettempdir(), s))] == []

@@ -37,7 +37,13 @@ from ecoffload.engine.catalog.shared import fault_points, robust_mutex
 from ecoffload.engine.catalog.shared import lock as shared_catalog_lock
 from ecoffload.engine.catalog.shared import native as shared_catalog_native
 from ecoffload.engine.catalog.shared.catalog import SharedCatalog
-from ecoffload.engine.catalog.shared.format import H_BOOT, H_VERSION, MUTEX_AT, MUTEX_SLOT
+from ecoffload.engine.catalog.shared.format import (
+    H_BOOT,
+    H_VERSION,
+    MUTEX_AT,
+    MUTEX_SLOT,
+    VERSION,
+)
 
 # "name#2": the point's second pass (a nested pin's count, the last unpin's unlink)
 UPDATE_POINTS = ["reserve:written", "commit:published", "pin:record", "pin:record#2",
@@ -421,7 +427,7 @@ def test_a_file_of_the_previous_format_is_refused_before_its_lock_is_touched(tmp
     c._w[H_VERSION] = 2  # as a catalog of the fcntl-locked format leaves it
     c._w[MUTEX_AT // 8 : MUTEX_AT // 8 + 8] = memoryview(bytes(64)).cast("q")  # no mutex
     c.close()
-    with pytest.raises(ArenaLayoutMismatch, match="'catalog version' is 2, expected 3"):
+    with pytest.raises(ArenaLayoutMismatch, match=f"'catalog version' is 2, expected {VERSION}"):
         reopen(path)
 
 

@@ -130,7 +130,7 @@ def test_inspect_shows_states_pins_producers_and_free_room_and_changes_nothing(
     code, report, err = ecoffload("inspect", "live", "--dir", arena_dir)
     assert code == 0, err
     assert digest(live.path) == before
-    assert report["items_by_state"] == {"writing": 1, "ready": len(ITEMS)}
+    assert report["items_by_state"] == {"writing": 1, "ready": len(ITEMS), "unverified": 0}
     items = {i["key"]: i for i in report["items"]}
     assert {k: items[k]["nbytes"] for k in ITEMS} == ITEMS
     assert items[WRITING]["state"] == "writing"

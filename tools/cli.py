@@ -9,6 +9,11 @@
                                       (exit 1 if it would drop items or check fails)
     ecoffload rm NAME [--dir D]       remove an arena no process holds
                                       (exit 1, naming them, while any does)
+    ecoffload shm [--dir D]           every segment of /dev/shm: size, age, what made
+                                      it, who holds it; LEAKED where no live process does
+    ecoffload shm --remove [NAME ...] remove the leaked ones (never a held one; a
+                                      persistent arena only when named; exit 1 if a
+                                      named one is held or missing)
     ecoffload dashboard               the Grafana dashboard's JSON
 
 Each takes ``--json`` (one JSON object on stdout; the schema is in the
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -28,6 +34,7 @@ from ..engine.arena.arena import Arena
 from ..engine.arena.format import DEFAULT_DIR
 from ..engine.base.errors import ArenaError
 from ..engine.base.sizes import format_bytes
+from ..engine.shm_segments import SegmentError, removable, remove, survey
 from ..engine.survey import (
     ArenaNotFoundError,
     CatalogSnapshot,
@@ -60,7 +67,9 @@ def inspect_report(name: str, directory: str) -> dict[str, Any]:
     extents = snapshot.free_extents()
     error = snapshot.check()
     report.update(
-        items_by_state={s: sum(i.state == s for i in items) for s in ("writing", "ready")},
+        items_by_state={
+            s: sum(i.state == s for i in items) for s in ("writing", "ready", "unverified")
+        },
         items=[asdict(i) for i in items],
         pins=[
             {"key": i.key, **asdict(p)} for i in items for p in i.pinned_by
@@ -98,6 +107,49 @@ def rm_report(name: str, directory: str) -> dict[str, Any]:
         except ArenaError:
             held = holders(path)  # a process opened it meanwhile: name it
     return {"name": name, "path": path, "removed": removed, "holders": [asdict(h) for h in held]}
+
+
+def shm_report(directory: str, remove_names: list[str] | None) -> dict[str, Any]:
+    """``ecoffload shm``: the directory's segments and their holders; with
+    ``remove_names`` (a list, empty for every leaked one) removes the leaked ones."""
+    segments = survey(directory)
+    report: dict[str, Any] = {
+        "directory": directory,
+        "segments": [s.to_dict() for s in segments],
+        "leaked_bytes": sum(s.allocated_bytes for s in segments if s.leaked and not s.persistent),
+    }
+    if remove_names is not None:
+        removable(segments, remove_names)  # refuses a held or missing name before any removal
+        report["removed"] = [s.name for s in remove(directory, remove_names)]
+    return report
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _print_shm(report: dict[str, Any]) -> None:
+    rows = report["segments"]
+    if not rows:
+        print(f"no segments in {report['directory']}")
+    for s in rows:
+        if s["persistent"] and s["leaked"]:
+            state = "kept (a persistent arena nobody holds: remove it with --remove NAME)"
+        elif s["leaked"]:
+            state = "LEAKED (no live process maps it or holds it open)"
+        elif s["holders"]:
+            state = "held by pid " + ", ".join(map(str, s["holders"]))
+        else:
+            state = "maybe held (by a process this user cannot inspect)"
+        print(f"{s['name']}: {format_bytes(s['allocated_bytes'])} in memory "
+              f"({format_bytes(s['size_bytes'])} file), written {_age(s['age_s'])} ago, "
+              f"{s['kind']}{': ' + s['creator'] if s['creator'] else ''}; {state}")  # fmt: skip
+    print(f"leaked: {format_bytes(report['leaked_bytes'])}")
+    for name in report.get("removed", ()):
+        print(f"removed {os.path.join(report['directory'], name)}")
 
 
 def _print_arenas(report: dict[str, Any]) -> None:
@@ -166,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("name")
         cmd.add_argument("--dir", dest="directory", default=DEFAULT_DIR)
+    cmd = sub.add_parser("shm", help="a shared-memory directory's segments, leaked ones")
+    cmd.add_argument("--dir", dest="directory", default=DEFAULT_DIR)
+    cmd.add_argument("--remove", nargs="*", metavar="NAME",
+                     help="remove the leaked segments (or the named ones)")  # fmt: skip
     sub.add_parser("dashboard", help="print the Grafana dashboard (JSON)")
     for cmd in sub.choices.values():
         cmd.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -180,11 +236,16 @@ def main(argv: list[str] | None = None) -> int:
             report, show = inspect_report(args.name, args.directory), _print_inspect
         elif args.command == "verify":
             report, show = verify_report(args.name, args.directory), _print_verify
+        elif args.command == "shm":
+            report, show = shm_report(args.directory, args.remove), _print_shm
         else:
             report, show = rm_report(args.name, args.directory), _print_rm
     except ArenaNotFoundError as exc:
         print(f"ecoffload {args.command}: {exc}", file=sys.stderr)
         return EXIT_NOT_FOUND
+    except SegmentError as exc:
+        print(f"ecoffload {args.command}: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -126,6 +126,7 @@ class Arena(SharedLifetime, RegisteredArena):
         self._registration = None
         self._registrar = None
         self._populator = None
+        self._verifier = None
 
     @classmethod
     def create(
@@ -423,8 +424,8 @@ class Arena(SharedLifetime, RegisteredArena):
         os.close(self._fd)  # drops this process's locks
 
     def _stop_workers(self) -> None:
-        workers = (self._registrar, self._populator)
-        self._registrar = self._populator = None  # they reference the mapping too
+        workers = (self._registrar, self._populator, self._verifier)
+        self._registrar = self._populator = self._verifier = None  # they reference the file too
         for worker in workers:
             if worker is not None:
                 worker.stop()

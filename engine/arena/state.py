@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..base.errors import ArenaError
 from .format import PopulateMode, RegisterMode
@@ -22,6 +22,13 @@ from .populate import Populator
 if TYPE_CHECKING:
     import torch
     from typing_extensions import Self
+
+
+class Worker(Protocol):
+    """A thread working on the arena's file for a layer above it (the background
+    verifier of a warm start): the arena's close stops it."""
+
+    def stop(self) -> None: ...
 
 
 class ArenaState:
@@ -45,6 +52,7 @@ class ArenaState:
     host: torch.Tensor | None  # uint8 over the data area; None once closed
     device: torch.Tensor | None  # the CUDA alias of host, or None
     _populator: Populator | None  # this process's pre-faulting threads
+    _verifier: Worker | None  # a warm start's background verifier (engine/background_verify.py)
 
     def _mapping(self) -> mmap.mmap:
         """The file's mapping, for the parts that read or write its header."""

@@ -41,6 +41,9 @@ from .allocator import BlockAllocator, Extent
 class ItemState(enum.Enum):
     WRITING = "writing"
     READY = "ready"
+    # Shared catalog only: READY, but its CRC-32 not checked since a warm start; a miss
+    # for lookup and pin until it is (shared_catalog_recovery.py).
+    UNVERIFIED = "unverified"
 
 
 @dataclass
@@ -88,6 +91,11 @@ class CatalogStats:
     free_blocks: int = 0
     largest_free_extent: int = 0
     ready_blocks: int = 0  # blocks the arena's populate has made allocatable so far
+    # A shared catalog's verification after a warm start: items and bytes still to check
+    # (misses until checked), of the bytes the warm start marked.
+    verify_items_left: int = 0
+    verify_bytes_left: int = 0
+    verify_bytes: int = 0
 
 
 class Catalog:

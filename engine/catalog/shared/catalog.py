@@ -77,6 +77,8 @@ from .format import (
     H_SLOT_FREE,
     H_STORED,
     H_TICK,
+    H_VERIFY_LEFT,
+    H_VERIFY_LEFT_BYTES,
     READY,
     S_BLOCKS,
     S_CRC,
@@ -97,8 +99,11 @@ from .format import (
     S_START,
     S_STATE,
     S_TICK,
+    S_VERIFY,
     SLOT_WORDS,
     STATE,
+    UNVERIFIED,
+    VERIFIED,
     WRITING,
     Layout,
     SharedEntry,
@@ -189,6 +194,7 @@ class SharedCatalog(
             w[b + S_PID] = pid
             w[b + S_START] = start
             w[b + S_CRC] = -1
+            w[b + S_VERIFY] = VERIFIED
             w[b + S_HASH] = h
             w[b + S_KLEN] = len(kb)
             w[b + S_NDIM] = len(dims)
@@ -317,6 +323,10 @@ class SharedCatalog(
         ``pin=True`` also pins a hit under the same lock (one round trip instead
         of :meth:`lookup` then :meth:`pin`, between which another process could
         evict it).
+
+        An item not verified since a warm start is checked first (its CRC-32 read
+        outside the lock, :meth:`verify_now`): a hit if it matches, a miss (and
+        dropped) if not.
         """
         fast = self._fast
         if fast is not None:  # C: a seen READY entry, mutex free, catalog clean (else 0)
@@ -326,6 +336,7 @@ class SharedCatalog(
                 return got  # pyright: ignore[reportReturnType]  (not an int: the entry)
             if got:  # a dead holder's mutex (released for the Python way), or raises
                 self._native_lock(got)  # pyright: ignore[reportArgumentType]  (an int here)
+        unverified = None
         w = self._enter(False)  # a hit marks dirty only for what it relinks
         try:
             s = b = -1
@@ -341,8 +352,13 @@ class SharedCatalog(
                 s = self._slot_of(key)
                 b = self._sl + s * SLOT_WORDS
                 if s >= 0 and w[b + S_STATE] == READY:
-                    entry = self._snapshot(s, key)
-            if entry is None:
+                    if w[b + S_VERIFY] == UNVERIFIED and self._data_at is not None:
+                        unverified = self._pending(s)  # checked below, without the lock
+                    elif not w[b + S_VERIFY]:
+                        entry = self._snapshot(s, key)
+            if unverified is not None:
+                pass  # counted by the lookup after the check
+            elif entry is None:
                 w[H_MISSES] += 1
                 self.local.misses += 1
             else:
@@ -358,6 +374,9 @@ class SharedCatalog(
             self._exit(isinstance(exc, CatalogError))
             raise
         self._exit()
+        if unverified is not None:
+            self.verify_now([unverified])
+            return self.lookup(key, pin=pin)  # verified, dropped, or another item by now
         return entry
 
     def evict(self, key: str) -> None:
@@ -421,6 +440,11 @@ class SharedCatalog(
         else:
             w[self._sl + prev * SLOT_WORDS + S_HNEXT] = w[b + S_HNEXT]
         nbytes, blocks = w[b + S_NBYTES], w[b + S_BLOCKS]
+        if w[b + S_VERIFY]:
+            if w[b + S_VERIFY] == UNVERIFIED:
+                w[H_VERIFY_LEFT] -= 1
+                w[H_VERIFY_LEFT_BYTES] -= nbytes
+            w[b + S_VERIFY] = VERIFIED
         if state == READY:
             self._lru_unlink(s)
             w[H_EVICTABLE] -= blocks

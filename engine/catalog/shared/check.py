@@ -16,6 +16,7 @@ import numpy as np
 
 from ..allocator import blocks_for
 from .format import (
+    FAILED,
     FREE,
     H_CLASSES,
     H_DIRTY,
@@ -30,6 +31,8 @@ from .format import (
     H_READY_BYTES,
     H_READY_ITEMS,
     H_SLOT_FREE,
+    H_VERIFY_LEFT,
+    H_VERIFY_LEFT_BYTES,
     NUM_CLASSES,
     P_COUNT,
     P_NEXT,
@@ -47,7 +50,10 @@ from .format import (
     S_PINS,
     S_PREV,
     S_STATE,
+    S_VERIFY,
     SLOT_WORDS,
+    UNVERIFIED,
+    VERIFIED,
     WRITING,
 )
 from .state import CatalogState
@@ -71,7 +77,7 @@ class Check(CatalogState):
         wm = w[H_READY_BLOCKS]
         assert 0 <= wm <= n, f"ready watermark {wm} outside [0, {n}]"
         owner = np.full(n, -1, dtype=np.int64)
-        items = ready_items = ready_bytes = evictable = 0
+        items = ready_items = ready_bytes = evictable = left = left_bytes = 0
         for s in range(lay.max_items):
             b = sl + s * SLOT_WORDS
             state = w[b + S_STATE]
@@ -99,12 +105,20 @@ class Check(CatalogState):
                 pins += w[p + P_COUNT]
                 r = w[p + P_NEXT]
             assert pins == w[b + S_PINS] and (pins == 0 or state == READY)
+            mark = w[b + S_VERIFY]
+            ok = mark in (VERIFIED, UNVERIFIED, FAILED) and (mark == VERIFIED or state == READY)
+            assert ok, f"slot {s}: verification mark {mark} in state {state}"
+            if mark == UNVERIFIED:
+                left += 1
+                left_bytes += w[b + S_NBYTES]
             if state == READY:
                 ready_items += 1
                 ready_bytes += w[b + S_NBYTES]
                 evictable += 0 if pins else total
         assert (items, ready_items, ready_bytes, evictable) == (
             w[H_ITEMS], w[H_READY_ITEMS], w[H_READY_BYTES], w[H_EVICTABLE])  # fmt: skip
+        assert (left, left_bytes) == (w[H_VERIFY_LEFT], w[H_VERIFY_LEFT_BYTES]), (
+            "unverified item count is off")  # fmt: skip
         # LRU: every READY slot once, links both ways.
         seen, prev, s = 0, -1, w[H_LRU_HEAD]
         while s >= 0:

@@ -10,7 +10,7 @@ Layout of the region (little endian; :class:`Layout` computes the offsets)::
     slots       max_items x 32 int64 (64-byte aligned): state, generation, LRU
                 links, use tick, pins, first pin record, blocks | hash chain, key
                 hash/length, nbytes, first extent, CRC-32, owner (pid, start
-                time) | shape, dtype
+                time) | shape, dtype, verification mark
     keys        max_items x max_key_bytes: the UTF-8 key of each slot
     pins        max_pins x 5 int64: (slot, next, pid, start time, count), one per
                 pinned (item, process)
@@ -34,8 +34,8 @@ from ...base.errors import CatalogCapacityError, InvalidSizeError
 from ..catalog import Entry, ItemState
 
 MAGIC = int.from_bytes(b"ECOCAT\x00\x01", "little")
-VERSION = 3  # 2: the ready watermark (word H_READY_BLOCKS); 3: the robust mutex, slot words
-# in cache-line order
+VERSION = 4  # 2: the ready watermark (word H_READY_BLOCKS); 3: the robust mutex, slot words
+# in cache-line order; 4: items awaiting verification after a warm start (S_VERIFY, H_VERIFY_*)
 HEADER_BYTES = 1024
 SLOT_WORDS = 32
 PIN_WORDS = 5
@@ -52,6 +52,12 @@ DEFAULT_MAX_KEY_BYTES = 256
 MUTEX_AT = 256  # byte offset of the mutex: a 64-byte slot, 64-byte aligned (words 32..39)
 MUTEX_SLOT = 64
 H_BOOT = 40  # two words: the boot id the mutex was initialised in
+# The background verification of a warm start (shared_catalog_recovery.py): READY items
+# still unverified and their bytes (derived: recovery recounts them), what the warm start
+# marked (items, bytes), items dropped for a wrong CRC, the next slot to check, and
+# when it began (time.time_ns()).
+(H_VERIFY_LEFT, H_VERIFY_LEFT_BYTES, H_VERIFY_ITEMS, H_VERIFY_BYTES, H_VERIFY_DROPPED,
+ H_VERIFY_CURSOR, H_VERIFY_T0) = range(42, 49)  # fmt: skip
 H_CLASSES = 64  # 64 heads of the free-extent size-class lists
 NUM_CLASSES = 64
 
@@ -61,8 +67,11 @@ NUM_CLASSES = 64
  S_HNEXT, S_HASH, S_KLEN, S_NBYTES, S_EXT, S_CRC, S_PID, S_START, S_NDIM) = range(17)  # fmt: skip
 S_DIMS = 17  # MAX_DIMS words
 S_DTYPE = 25  # DTYPE_BYTES bytes
+S_VERIFY = 27  # of a READY item: VERIFIED, UNVERIFIED (a miss until checked) or FAILED
 FREE, WRITING, READY = 0, 1, 2
 STATE = {WRITING: ItemState.WRITING, READY: ItemState.READY}
+# S_VERIFY: FAILED is a pinned item whose CRC-32 differs: never served, evicted once unpinned.
+VERIFIED, UNVERIFIED, FAILED = 0, 1, 2
 
 # Pin record words.
 P_SLOT, P_NEXT, P_PID, P_START, P_COUNT = range(PIN_WORDS)

@@ -30,6 +30,9 @@ from .format import (
     H_RECOVERIES,
     H_RESERVE_FAILURES,
     H_STORED,
+    H_VERIFY_BYTES,
+    H_VERIFY_LEFT,
+    H_VERIFY_LEFT_BYTES,
     MAX_DIMS,
     READY,
     S_BLOCKS,
@@ -47,13 +50,14 @@ from .format import (
     S_PINS,
     S_START,
     S_STATE,
+    S_VERIFY,
     SLOT_WORDS,
     STATE,
     SharedEntry,
 )
 from .state import CatalogState
 
-_WRITING, _READY = ItemState.WRITING, ItemState.READY
+_WRITING, _READY, _UNVERIFIED = ItemState.WRITING, ItemState.READY, ItemState.UNVERIFIED
 
 
 class Reads(CatalogState):
@@ -133,7 +137,7 @@ class Reads(CatalogState):
         entry = self._seen.get(key)
         if entry is not None and (entry.slot != s or entry.generation != gen):
             entry = None  # an earlier reservation of the key
-        if state == READY and entry is not None and entry.state is _READY:
+        if state == READY and entry is not None and entry.state is _READY and not w[b + S_VERIFY]:
             entry.pins = w[b + S_PINS]  # nothing else of a READY item ever changes
             return entry
         # Rebuilt when new, or first seen READY (commit may set dtype and shape).
@@ -149,7 +153,7 @@ class Reads(CatalogState):
                                 generation=gen, producer=producer)  # fmt: skip
             self._remember(key, entry)
         crc = w[b + S_CRC]
-        entry.state = STATE[state]
+        entry.state = self._state_at(b)
         entry.pins = w[b + S_PINS]
         entry.checksum = None if crc < 0 else crc
         return entry
@@ -177,12 +181,19 @@ class Reads(CatalogState):
             self._seen.clear()  # bounded: the keys of evicted items go too
         self._seen[key] = entry
 
+    def _state_at(self, b: int) -> ItemState:
+        """The state of the slot at word ``b``: a READY item not verified since a warm
+        start (or failing its CRC, pinned) is UNVERIFIED."""
+        w = self._w
+        state = w[b + S_STATE]
+        return _UNVERIFIED if state == READY and w[b + S_VERIFY] else STATE[state]
+
     def state(self, key: str) -> ItemState | None:
         """The state of ``key``, or None if the catalog does not hold it."""
         self._enter(update=False)
         try:
             s = self._slot_of(key)
-            return None if s < 0 else STATE[self._w[self._sl + s * SLOT_WORDS + S_STATE]]
+            return None if s < 0 else self._state_at(self._sl + s * SLOT_WORDS)
         finally:
             self._exit()
 
@@ -213,13 +224,19 @@ class Reads(CatalogState):
             raise UnknownItemError(
                 f"key {key!r} is not in the catalog (never reserved, aborted or evicted)"
             )
-        found = self._w[self._sl + s * SLOT_WORDS + S_STATE]
+        b = self._sl + s * SLOT_WORDS
+        found = self._w[b + S_STATE]
         if found not in STATE:  # a FREE (or no) state on a key's hash chain
             self._corrupt(f"slot {s} of key {key!r} is on a hash chain in state {found}")
         if state is not None and found != state:
             raise ItemStateError(
                 f"{op}({key!r}) needs an item in state {STATE[state].value!r}, "
                 f"found {STATE[found].value!r}"
+            )
+        if op == "pin" and self._w[b + S_VERIFY]:  # served only once its CRC is checked
+            raise ItemStateError(
+                f"pin({key!r}) needs an item in state 'ready', found 'unverified' (its "
+                "CRC-32 is not checked yet since the warm start): look it up instead"
             )
         return s
 
@@ -235,7 +252,8 @@ class Reads(CatalogState):
                 bytes_evicted=w[H_BYTES_EVICTED], reserve_failures=w[H_RESERVE_FAILURES],
                 items_resident=w[H_READY_ITEMS], bytes_resident=w[H_READY_BYTES],
                 free_blocks=w[H_FREE_BLOCKS], largest_free_extent=largest,
-                ready_blocks=w[H_READY_BLOCKS],
+                ready_blocks=w[H_READY_BLOCKS], verify_items_left=w[H_VERIFY_LEFT],
+                verify_bytes_left=w[H_VERIFY_LEFT_BYTES], verify_bytes=w[H_VERIFY_BYTES],
             )  # fmt: skip
         finally:
             self._exit()

@@ -12,6 +12,24 @@ derived structure from the slot table (:meth:`Recovery._recover`), so a
 SIGKILL at any point leaves no block owned twice, no block lost and no
 half-written item visible.
 
+Verification of a warm start (a persistent arena reopened by nobody else: its
+bytes may have changed while no process held it): :meth:`Recovery.begin_verify`
+runs the structure recovery above and marks every READY item saved with a
+CRC-32 UNVERIFIED (slot word ``S_VERIFY``; no item byte read), before any
+other process can open the arena. From then on, in every process, an
+UNVERIFIED item is a miss for lookup and pin; it stays in the LRU and may be
+evicted like any other. Its check reads the bytes *without* the lock and
+applies the result under it only if the slot still holds the same
+reservation (generation) still UNVERIFIED: VERIFIED (served from then on),
+or dropped (a pinned one: FAILED, never served, evicted once unpinned).
+Slices of items are taken from a shared cursor (``H_VERIFY_CURSOR``) by
+every process that opened the arena while items are left (a thread each,
+:mod:`.background_verify`); a lookup of an UNVERIFIED item checks it at once
+(:meth:`verify_now`). A verifier that dies leaves its slice UNVERIFIED: the
+cursor starts over while items are left, so the others (or the next opener)
+check it. The marks are the truth; the counts left (``H_VERIFY_LEFT``,
+``H_VERIFY_LEFT_BYTES``) are derived (recovery recounts them).
+
 Ownership: a WRITING item belongs to the process that reserved it and a pin to
 the process that took it, each recorded as (pid, start time); when that
 process is gone (checked at recovery, at open, and when space runs out) the
@@ -21,17 +39,20 @@ reservation is aborted and the pin dropped (:meth:`Recovery._reap`).
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 
-from ...base.errors import InvalidSizeError
+from ...base.errors import CatalogError, InvalidSizeError
 from ...base.items import item_crc32
 from ...base.liveness import alive
 from ..allocator import blocks_for
 from .fault_points import fault
 from .format import (
+    FAILED,
     FREE,
     H_CLASSES,
     H_DIRTY,
@@ -48,6 +69,13 @@ from .format import (
     H_RECOVERIES,
     H_SLOT_FREE,
     H_TICK,
+    H_VERIFY_BYTES,
+    H_VERIFY_CURSOR,
+    H_VERIFY_DROPPED,
+    H_VERIFY_ITEMS,
+    H_VERIFY_LEFT,
+    H_VERIFY_LEFT_BYTES,
+    H_VERIFY_T0,
     NUM_CLASSES,
     P_COUNT,
     P_NEXT,
@@ -59,6 +87,7 @@ from .format import (
     S_BLOCKS,
     S_CRC,
     S_EXT,
+    S_GEN,
     S_HASH,
     S_HNEXT,
     S_KLEN,
@@ -69,13 +98,51 @@ from .format import (
     S_START,
     S_STATE,
     S_TICK,
+    S_VERIFY,
     SLOT_WORDS,
+    UNVERIFIED,
+    VERIFIED,
     WRITING,
 )
 from .state import CatalogState
 
 # the catalog's messages, whichever part logs them
 log = logging.getLogger("ecoffload.engine.catalog.shared.catalog")
+
+VERIFY_SLICE_BYTES = 16 << 20  # items' bytes one verify_step checks (a few ms of CRC-32)
+_SCAN_SLOTS = 1 << 16  # slots one verify_step looks at, at most (under the lock, numpy)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Where a warm start's verification stands, host-wide (header words, read
+    without the lock: a consistent enough view for progress)."""
+
+    items: int  # items the warm start marked UNVERIFIED
+    nbytes: int  # and their bytes
+    items_left: int  # still UNVERIFIED (misses until checked)
+    bytes_left: int
+    dropped: int  # found with a wrong CRC-32 and dropped
+    started_ns: int  # time.time_ns() of the warm start (0: never)
+
+    @property
+    def fraction(self) -> float:
+        """Share of the marked bytes checked (or evicted) so far; 1.0 if none were."""
+        return 1.0 if self.nbytes <= 0 else min(1.0, max(0.0, 1 - self.bytes_left / self.nbytes))
+
+
+def _chain(rows: np.ndarray, members: np.ndarray, link: int, zero: int | None = None) -> None:
+    """Link ``rows[members]`` into a list in ascending order through word ``link`` (the
+    last one -1), zeroing word ``zero`` of each."""
+    if zero is not None:
+        rows[members, zero] = 0
+    nxt = np.full(len(members), -1, dtype=np.int64)
+    nxt[:-1] = members[1:]
+    rows[members, link] = nxt
+
+
+def _head(members: np.ndarray) -> int:
+    return int(members[0]) if len(members) else -1
 
 
 class Recovery(CatalogState):
@@ -111,7 +178,9 @@ class Recovery(CatalogState):
         item that has one recorded (``commit(checksum=)``) and drops those that
         differ. A mismatching item pinned by a live process is left (and logged):
         it is being read. Items without a CRC cannot be checked (counted in the
-        log line). Holds the lock throughout: about one read of every checked byte.
+        log line). Holds the lock throughout: about one read of every checked byte
+        (a warm start uses :meth:`begin_verify` and :meth:`verify_step` instead).
+        Every item is verified afterwards (no UNVERIFIED mark is left).
 
         Args:
             data: the arena's data area as a buffer (``arena.host.numpy()``, or a
@@ -137,6 +206,7 @@ class Recovery(CatalogState):
                 b = sl + s * SLOT_WORDS
                 if w[b + S_STATE] != READY:
                     continue
+                w[b + S_VERIFY] = VERIFIED
                 want = w[b + S_CRC]
                 if want < 0:
                     unchecked += 1
@@ -155,6 +225,7 @@ class Recovery(CatalogState):
                 self._drop(s, evicted=False)
                 dropped += 1
                 log.warning("catalog %s: item %r fails its CRC-32; dropped", self.path, key)
+            w[H_VERIFY_LEFT] = w[H_VERIFY_LEFT_BYTES] = 0
             w[H_DIRTY] = 0
         finally:
             self._unlock()
@@ -169,12 +240,218 @@ class Recovery(CatalogState):
         )  # fmt: skip
         return dropped
 
+    def begin_verify(self) -> tuple[int, int, int]:
+        """A warm start's structure recovery, before anything is served: rebuild every
+        derived structure from the slot table (as :meth:`recover`), then mark every
+        READY item saved with a CRC-32 UNVERIFIED (a miss until :meth:`verify_step`
+        or a lookup checks it). Reads no item byte: O(items) words, vectorised.
+
+        Call it only while no other process has the arena open (``Arena.open_shared``'s
+        ``on_warm_start``): no catalog object may have seen these items READY.
+        Returns (items marked, their bytes, READY items without a CRC, served as they are).
+        """
+        self._lock()
+        try:
+            self._recover()
+            w = self._w
+            w[H_DIRTY] = self._pid
+            slots = self._slot_table()
+            ready = slots[:, S_STATE] == READY
+            marked = ready & (slots[:, S_CRC] >= 0)
+            slots[:, S_VERIFY] = np.where(marked, UNVERIFIED, VERIFIED)
+            items, nbytes = int(marked.sum()), int(slots[marked, S_NBYTES].sum())
+            unchecked = int(ready.sum()) - items
+            del slots, ready, marked
+            w[H_VERIFY_LEFT] = w[H_VERIFY_ITEMS] = items
+            w[H_VERIFY_LEFT_BYTES] = w[H_VERIFY_BYTES] = nbytes
+            w[H_VERIFY_DROPPED] = w[H_VERIFY_CURSOR] = 0
+            w[H_VERIFY_T0] = time.time_ns()
+            w[H_DIRTY] = 0
+        finally:
+            self._unlock()
+        return items, nbytes, unchecked
+
+    def verification(self) -> Verification:
+        """Where the last warm start's verification stands (no lock taken)."""
+        w = self._w
+        return Verification(w[H_VERIFY_ITEMS], w[H_VERIFY_BYTES], w[H_VERIFY_LEFT],
+                            w[H_VERIFY_LEFT_BYTES], w[H_VERIFY_DROPPED],
+                            w[H_VERIFY_T0])  # fmt: skip
+
+    def verify_step(self, max_bytes: int = VERIFY_SLICE_BYTES) -> tuple[int, int]:
+        """Check the next slice of UNVERIFIED items, up to ``max_bytes`` of them from
+        the shared cursor: the lock is taken twice, briefly (to take the slice, to
+        apply the results); the bytes are read between. Returns (items checked by this
+        call, items left host-wide). Needs a catalog opened with ``for_arena``."""
+        if not self._w[H_VERIFY_LEFT]:  # the usual case, lock-free: it only goes down
+            return 0, 0
+        self._data_view()  # raises without the arena's data area
+        self._enter(update=False)  # the cursor is a hint: no dirty mark needed
+        try:
+            pending = self._take_slice(max_bytes)
+        finally:
+            self._exit()
+        fault("verify:taken")  # a verifier dying here leaves its slice to the others
+        done = self.verify_now(pending)
+        return done, self._w[H_VERIFY_LEFT]
+
+    def verify_now(self, pending: list[tuple]) -> int:
+        """Check items that :meth:`_pending` described (under the lock): CRC-32 of
+        their bytes without the lock, then, under it, each slot that still holds the
+        same reservation UNVERIFIED becomes VERIFIED, or is dropped (a pinned one:
+        FAILED). Returns how many this call settled."""
+        if not pending:
+            return 0
+        data, bb = self._data_view(), self.layout.block_bytes
+        sums = [item_crc32(data, extents, bb, nbytes) for _, _, extents, nbytes, _ in pending]
+        settled, bad = 0, []
+        w = self._enter()
+        try:
+            sl, mk = self._sl, self._mkey
+            for (s, gen, _, nbytes, want), got in zip(pending, sums, strict=True):
+                b = sl + s * SLOT_WORDS
+                same = w[b + S_GEN] == gen and w[b + S_STATE] == READY
+                if not same or w[b + S_VERIFY] != UNVERIFIED:
+                    continue  # evicted, or settled by another verifier meanwhile
+                settled += 1
+                w[H_VERIFY_LEFT] -= 1
+                w[H_VERIFY_LEFT_BYTES] -= nbytes
+                if got == want:
+                    w[b + S_VERIFY] = VERIFIED
+                    continue
+                w[b + S_VERIFY] = FAILED  # never served, whatever follows
+                key = bytes(self._k[s * mk : s * mk + w[b + S_KLEN]]).decode(errors="replace")
+                pinned = bool(w[b + S_PINS])
+                if not pinned:
+                    self._drop(s, evicted=False)
+                    w[H_VERIFY_DROPPED] += 1
+                bad.append((key, pinned))
+            left, t0, dropped = w[H_VERIFY_LEFT], w[H_VERIFY_T0], w[H_VERIFY_DROPPED]
+        except BaseException as exc:
+            self._exit(isinstance(exc, CatalogError))
+            raise
+        self._exit()
+        for key, pinned in bad:
+            if pinned:
+                log.error("catalog %s: item %r fails its CRC-32 and is pinned: never served, "
+                          "evicted once unpinned", self.path, key)  # fmt: skip
+            else:
+                log.warning("catalog %s: item %r fails its CRC-32; dropped", self.path, key)
+        if settled and not left:
+            log.info("catalog %s: every item verified, %.3f s after the warm start; %d "
+                     "dropped", self.path, (time.time_ns() - t0) / 1e9, dropped)  # fmt: skip
+        return settled
+
+    def _take_slice(self, max_bytes: int) -> list[tuple]:
+        """The next UNVERIFIED items from the shared cursor, up to ``max_bytes`` (lock
+        held); past the last slot the cursor starts over (slices of dead verifiers)."""
+        w, n = self._w, self.layout.max_items
+        cursor = w[H_VERIFY_CURSOR]
+        if not 0 <= cursor < n:
+            cursor = 0
+        end = min(n, cursor + _SCAN_SLOTS)
+        window = self._slot_table()[cursor:end]
+        found = np.flatnonzero(
+            (window[:, S_VERIFY] == UNVERIFIED) & (window[:, S_STATE] == READY)
+        ).tolist()
+        del window
+        pending, total = [], 0
+        for j in found:
+            item = self._pending(cursor + j)
+            pending.append(item)
+            total += item[3]
+            if total >= max_bytes:
+                end = cursor + j + 1
+                break
+        w[H_VERIFY_CURSOR] = end
+        return pending
+
+    def _pending(self, s: int) -> tuple:
+        """(slot, generation, extents, nbytes, CRC) of READY slot ``s`` (lock held)."""
+        w, i, b = self._w, self._i, self._sl + s * SLOT_WORDS
+        extents, e, hops = [], w[b + S_EXT], w[b + S_BLOCKS]
+        while e >= 0 and len(extents) < hops:
+            extents.append((e, i[self._ec + e]))
+            e = i[self._en + e]
+        return s, w[b + S_GEN], extents, w[b + S_NBYTES], w[b + S_CRC]
+
+    # numpy passes over the region (no view outlives its call: a live one would keep
+    # close() from unmapping, also from a traceback that holds the caller's frame).
+
+    def _slots_where(self, predicate) -> list[int]:
+        """The slots whose row of the slot table satisfies ``predicate`` (vectorised)."""
+        table = self._slot_table()
+        found = np.flatnonzero(predicate(table)).tolist()
+        del table
+        return found
+
+    def _pin_records_counted(self) -> list[int]:
+        """Pin records with a count (candidates to keep), ascending."""
+        lay = self.layout
+        records = np.frombuffer(self._mapping(), dtype=np.int64, count=lay.max_pins * PIN_WORDS,
+                                offset=lay.pins_at).reshape(lay.max_pins, PIN_WORDS)  # fmt: skip
+        found = np.flatnonzero(records[:, P_COUNT] > 0).tolist()
+        del records
+        return found
+
+    def _free_pin_records(self, free: np.ndarray) -> None:
+        """Zero pin records ``free`` (ascending) and make them the free list, in that order
+        (what pushing them in descending order made)."""
+        lay, w = self.layout, self._w
+        records = np.frombuffer(self._mapping(), dtype=np.int64, count=lay.max_pins * PIN_WORDS,
+                                offset=lay.pins_at).reshape(lay.max_pins, PIN_WORDS)  # fmt: skip
+        w[H_PIN_FREE] = -1
+        _chain(records, free, P_NEXT, zero=P_COUNT)
+        del records
+        w[H_PIN_FREE] = _head(free)
+
+    def _reset_slot_lists(self) -> list[int]:
+        """Empty the hash buckets, clear marks of slots that are not READY, chain the FREE
+        slots into the free list (ascending); the slots in use, ascending."""
+        lay, w = self.layout, self._w
+        buckets = np.frombuffer(self._mapping(), dtype=np.int64, count=lay.buckets,
+                                offset=lay.buckets_at)  # fmt: skip
+        buckets[:] = -1
+        table = self._slot_table()
+        state = table[:, S_STATE]
+        stale = np.flatnonzero((table[:, S_VERIFY] != VERIFIED) & (state != READY))
+        table[stale, S_VERIFY] = VERIFIED  # a mark is a READY item's only
+        free = np.flatnonzero(state == FREE)
+        w[H_SLOT_FREE] = -1
+        _chain(table, free, S_HNEXT)
+        in_use = np.flatnonzero(state != FREE).tolist()
+        del table, state
+        w[H_SLOT_FREE] = _head(free)
+        return in_use
+
+    def _data_view(self) -> mmap.mmap:
+        """The arena's data area, mapped read-only on first use."""
+        if self._data_mm is None:
+            if self._data_at is None:
+                raise InvalidSizeError(
+                    f"catalog {self.path}: verifying items needs the arena's data area; "
+                    "open the catalog with SharedCatalog.for_arena(arena)"
+                )
+            at, size = self._data_at
+            self._data_mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ,
+                                      offset=at)  # fmt: skip
+        return self._data_mm
+
+    def _slot_table(self) -> np.ndarray:
+        """The slot table as a (max_items, SLOT_WORDS) int64 array over the region."""
+        lay = self.layout
+        return np.frombuffer(self._mapping(), dtype=np.int64, count=lay.max_items * SLOT_WORDS,
+                             offset=lay.slots_at).reshape(lay.max_items, SLOT_WORDS)  # fmt: skip
+
     def _reap(self) -> int:
         """Abort WRITING items and drop pins of dead processes (lock held, dirty set)."""
         w, sl, pn = self._w, self._sl, self._pn
         seen: dict = {}
         n = 0
-        for s in range(self.layout.max_items):
+        todo = self._slots_where(  # the slots that may need it, in one numpy pass
+            lambda t: (t[:, S_STATE] == WRITING) | ((t[:, S_STATE] == READY) & (t[:, S_PINS] != 0))
+        )
+        for s in todo:
             b = sl + s * SLOT_WORDS
             state = w[b + S_STATE]
             if state == WRITING and not alive(w[b + S_PID], w[b + S_START], seen):
@@ -216,11 +493,9 @@ class Recovery(CatalogState):
         seen: dict = {}
         ready: list[tuple[int, int]] = []
         i = self._i
-        for s in range(lay.max_items):
+        for s in self._slots_where(lambda t: t[:, S_STATE] != FREE):
             b = sl + s * SLOT_WORDS
             state = w[b + S_STATE]
-            if state == FREE:
-                continue
             ok = state in (WRITING, READY) and 0 < w[b + S_KLEN] <= mk
             ok = ok and (state == READY or alive(w[b + S_PID], w[b + S_START], seen))
             total, e, chain, hops = 0, w[b + S_EXT], [], 0
@@ -247,34 +522,24 @@ class Recovery(CatalogState):
         fault("recover:slots")
         # Pins: records of live processes on READY slots are kept; the rest freed.
         pins: dict[int, list[int]] = {}
-        w[H_PIN_FREE] = -1
-        for r in range(lay.max_pins - 1, -1, -1):
+        kept = np.zeros(lay.max_pins, dtype=bool)
+        for r in self._pin_records_counted()[::-1]:
             p = pn + r * PIN_WORDS
             s = w[p + P_SLOT]
-            keep = (
-                w[p + P_COUNT] > 0
-                and 0 <= s < lay.max_items
+            if (
+                0 <= s < lay.max_items
                 and w[sl + s * SLOT_WORDS + S_STATE] == READY
                 and alive(w[p + P_PID], w[p + P_START], seen)
-            )
-            if keep:
+            ):
                 pins.setdefault(s, []).append(r)
-            else:
-                w[p + P_COUNT] = 0
-                w[p + P_NEXT] = w[H_PIN_FREE]
-                w[H_PIN_FREE] = r
+                kept[r] = True
+        self._free_pin_records(np.flatnonzero(~kept))
         # Slots: free list, hash chains, pins, counters.
-        for bkt in range(lay.buckets):
-            w[self._bk + bkt] = -1
-        w[H_SLOT_FREE] = -1
-        items = ready_items = ready_bytes = evictable = 0
-        for s in range(lay.max_items - 1, -1, -1):
+        in_use = self._reset_slot_lists()[::-1]
+        items = ready_items = ready_bytes = evictable = left = left_bytes = 0
+        for s in in_use:  # descending: each bucket's chain ends up in ascending slot order
             b = sl + s * SLOT_WORDS
             state = w[b + S_STATE]
-            if state == FREE:
-                w[b + S_HNEXT] = w[H_SLOT_FREE]
-                w[H_SLOT_FREE] = s
-                continue
             items += 1
             bucket = self._bk + (w[b + S_HASH] & self._hmask)
             w[b + S_HNEXT] = w[bucket]
@@ -292,6 +557,9 @@ class Recovery(CatalogState):
                 ready_bytes += w[b + S_NBYTES]
                 if not count:
                     evictable += w[b + S_BLOCKS]
+                if w[b + S_VERIFY] == UNVERIFIED:
+                    left += 1
+                    left_bytes += w[b + S_NBYTES]
         # LRU in use order.
         w[H_LRU_HEAD] = w[H_LRU_TAIL] = -1
         for _, s in sorted(ready):
@@ -315,6 +583,7 @@ class Recovery(CatalogState):
         w[H_ITEMS] = items
         w[H_READY_ITEMS] = ready_items
         w[H_READY_BYTES] = ready_bytes
+        w[H_VERIFY_LEFT], w[H_VERIFY_LEFT_BYTES] = left, left_bytes
         if ready:
             w[H_TICK] = max(w[H_TICK], max(t for t, _ in ready))
         w[H_RECOVERIES] += 1

@@ -118,6 +118,10 @@ class CatalogRegion(CatalogState):
         self._last_reap = 0.0
         self._ready_of: Callable[[], int] | None = None  # see follow_ready
         self.local = CatalogStats()  # this object's own hits and misses
+        # The arena's data area (offset in the file, bytes), where verification reads
+        # items (for_arena sets it), and its read-only map, made on first use.
+        self._data_at = None
+        self._data_mm: mmap.mmap | None = None
         wanted = (num_blocks, block_bytes, max_items, max_key_bytes, max_pins)
         ofd_lock(self._fd, fcntl.F_WRLCK, offset, wait=True)  # the region's first byte
         try:
@@ -172,6 +176,7 @@ class CatalogRegion(CatalogState):
         catalog = cls(arena.fileno(), arena.meta_offset, arena.meta_bytes,
                       num_blocks=arena.num_blocks, block_bytes=arena.block_bytes,
                       path=arena.path, **layout)  # fmt: skip
+        catalog._data_at = (arena.meta_offset + arena.meta_bytes, arena.nbytes)
         ref = weakref.ref(arena)  # the catalog must not keep the arena alive
         catalog.follow_ready(lambda: 0 if (a := ref()) is None else a.ready_blocks)
         return catalog
@@ -197,6 +202,9 @@ class CatalogRegion(CatalogState):
             self.__dict__.pop(name, None)  # a later call fails on the name, never the address
         self._mm.close()
         self._mm = None
+        data, self._data_mm = getattr(self, "_data_mm", None), None
+        if data is not None:
+            data.close()
         os.close(self._fd)
 
     def __enter__(self) -> Self:

@@ -58,6 +58,7 @@ class CatalogState:
     _seen: dict[str, SharedEntry]  # key -> the entry this object saw READY
     _last_reap: float  # monotonic time of the last sweep for dead owners
     _ready_of: Callable[[], int] | None  # the arena's ready blocks (follow_ready)
+    _data_at: tuple[int, int] | None  # (offset, bytes) of the arena's data in the file
     _fast: HitPath | None  # the C hits, pins and unpins (native.py), or None
     # lock.py: this process, as recorded in dirty marks, pins and reservations
     _pid: int
