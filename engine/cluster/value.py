@@ -11,7 +11,7 @@
     136  zero up to HEADER_BYTES
     HEADER_BYTES  the item's bytes, nbytes of them
 
-The MAC is keyed BLAKE2b-256 over the header (its MAC field zeroed), the
+The MAC is HMAC-SHA256 over the header (its MAC field zeroed), the
 store key and the item's bytes: a value is bound to its name, so a valid value
 copied under another key fails too. A reader holding a cluster key serves only
 values whose MAC verifies; one without a key serves only values without one.
@@ -52,7 +52,7 @@ class Header:
 
 def load_key(path: str) -> bytes:
     """The cluster key in ``path`` (at least 16 bytes after stripping white space,
-    e.g. ``openssl rand -hex 32 > key``), as the 32-byte BLAKE2b key it derives."""
+    e.g. ``openssl rand -hex 32 > key``), as the 32-byte MAC key derived from it."""
     try:
         with open(path, "rb") as f:
             raw = f.read().strip()
@@ -84,7 +84,7 @@ def pack_header(nbytes: int, dtype: str, shape: Sequence[int]) -> bytearray:
 
 
 def _mac(key: bytes, header: bytes | bytearray, store_key: str, parts: Iterable) -> bytes:
-    h = hashlib.blake2b(key=key, digest_size=MAC_BYTES)
+    h = hmac.new(key, digestmod=hashlib.sha256)  # faster than keyed BLAKE2b here (SHA-NI)
     zeroed = bytearray(header)
     zeroed[_MAC_AT : _MAC_AT + MAC_BYTES] = bytes(MAC_BYTES)
     h.update(zeroed)
