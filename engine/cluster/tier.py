@@ -398,7 +398,6 @@ class ClusterTier:
     def stats(self) -> dict[str, int]:
         out = dict(self.counts)
         out["cluster_available"] = int(self.client.available)
-        out["cluster_publish_queue"] = len(self._queue)
         return out
 
     def close(self, timeout_s: float = 15.0) -> None:
