@@ -24,6 +24,7 @@ A request is held at most one step for its lookup plus the fetch's bound
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..engine.cluster.store import StoreClient, StoreSettings
@@ -68,7 +69,11 @@ class ClusterConsumer:
         self._inflight: dict[str, ClusterFetch] = {}  # key -> the fetch bringing it
         self._ready: set[str] = set()  # requests whose lookup or fetch ended
 
-    def admit(self, request: Any, num_computed_tokens: int) -> bool:
+    def admit(
+        self, request: Any, num_computed_tokens: int, is_local: Callable[[str], bool]
+    ) -> bool:
+        """``ensure_cache_available``; ``is_local(key)``: the scheduler's own lookup (a hit
+        is pinned and promised to the step, so it costs no second lookup later)."""
         rid = request.request_id
         if rid in self._ready:
             self._ready.discard(rid)
@@ -82,7 +87,7 @@ class ClusterConsumer:
                 continue  # already computed: not needed
             if key in self._inflight:
                 return False  # another request's fetch brings it: wait for that one
-            if self.catalog.state(key) is None:
+            if not is_local(key):
                 misses.append(key)
         if not misses or not self.tier.available:
             return True

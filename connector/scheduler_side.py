@@ -117,6 +117,7 @@ class SchedulerSide:
         # Pinned hits not yet scheduled: the entry the pinning lookup returned (pinned, so
         # it stays as read: nothing asks the catalog again for it).
         self._promised: dict[str, Any] = {}
+        self._missed_at_admission: set[str] = set()  # cluster tier: local misses counted
         self._loads: dict[str, tuple[LoadSpec, Any]] = {}  # key -> (spec, entry)
         self._saves: dict[str, tuple[int, int, Any]] = {}  # key -> (nbytes, generation, entry)
         self._shipped: dict[int, tuple[list[str], list[str]]] = {}  # step -> (saves, loads)
@@ -136,8 +137,24 @@ class SchedulerSide:
             return False
         if identifier in self._promised or identifier in self._loads:
             return True
+        if self._missed_at_admission and identifier in self._missed_at_admission:
+            self._missed_at_admission.discard(identifier)
+            if not self._local(identifier, admission=False):
+                self.catalog.local.misses -= 1  # counted once already, at admission
+                return False
+            return True
+        return self._local(identifier, admission=False)
+
+    def _local(self, identifier: str, admission: bool = True) -> bool:
+        """In this host's arena? A hit is pinned and promised to the step (as
+        :meth:`has_cache_item` does; the cluster tier's admission asks the same way,
+        so the promise serves both and a local hit costs one lookup)."""
         entry = self.catalog.lookup(identifier, pin=True)
         if entry is None:
+            if admission:
+                if len(self._missed_at_admission) > 1 << 16:  # keys never scheduled
+                    self._missed_at_admission.clear()
+                self._missed_at_admission.add(identifier)
             return False
         if entry.producer != self._me:
             self._counts["hits_from_other_instances"] += 1
@@ -340,7 +357,7 @@ class SchedulerSide:
             and not getattr(request, "ec_transfer_params", None)
         ):
             try:
-                return self.cluster.admit(request, num_computed_tokens)
+                return self.cluster.admit(request, num_computed_tokens, self._local)
             except Exception:  # the tier must never fail the scheduler: encode locally
                 log.exception("ecoffload: cluster lookup of %s failed; encoding locally",
                               request.request_id)  # fmt: skip

@@ -121,9 +121,20 @@ def test_items_encoded_on_one_host_load_bit_exactly_on_another_without_params(ho
     assert stats["cluster_mac_failures"] == stats["cluster_fetch_failures"] == 0
     assert stats["cluster_available"] == 1
 
+    # Local hits now: admitted at once, no store lookup, and ONE catalog lookup per
+    # item (the admission's pins are the promises has_cache_item answers from).
+    catalog, asked = bsched.side.catalog, []
+    original = catalog.lookup
+    catalog.lookup = lambda key, **kw: asked.append(key) or original(key, **kw)
+    catalog.state = lambda key: pytest.fail(f"a second catalog query for {key}")
     again = make_request("b2", [(k, rows) for k, rows, _ in IMAGES])
-    assert bsched.ensure_cache_available(again, 0)  # local hits now: no lookup, no hold
+    hits = bsched.side.stats()["hits"]
+    assert bsched.ensure_cache_available(again, 0)
+    assert schedule(bsched, again) == [True] * len(IMAGES)
+    assert sorted(asked) == sorted(k for k, _, _ in IMAGES)
     assert bsched.side.stats()["cluster_lookups"] == lookups + 1
+    assert bsched.side.stats()["hits"] == hits + len(IMAGES)
+    worker_step(bworker, step(bsched), {}, {})
 
 
 def test_items_nobody_encoded_are_admitted_after_one_lookup_and_encoded(hosts):
@@ -133,6 +144,7 @@ def test_items_nobody_encoded_are_admitted_after_one_lookup_and_encoded(hosts):
     stats = bsched.side.stats()
     assert stats["cluster_lookups"] == 1 and stats["cluster_misses"] == 2
     assert schedule(bsched, request) == [False, False]
+    assert bsched.side.stats()["misses"] == 2  # each local miss counted once
 
 
 def test_one_lookup_per_step_for_every_held_request(hosts):
