@@ -1,7 +1,7 @@
 """The cluster tier's costs: the MAC per MiB, and a fetch straight into arena extents
 beside a get into bytes followed by a copy.
 
-    python -m ecoffload.profiling.bench_cluster [--repeat 20]
+    python -m ecoffload.profiling.bench_cluster [--repeat 20] [--scheduler-steps 400]
 
 A ``mooncake_master`` on 127.0.0.1 (HTTP metadata server on), two store clients
 in this process over ``tcp``: one holds the values (its segment), the other
@@ -16,6 +16,12 @@ values, same extents:
 * ``get + copy``: ``get_batch`` (bytes objects), then a copy of each into its blocks;
 * ``tier fetch``: the tier's whole fetch with a cluster key (reserve, get,
   header, MAC, CRC-32, commit), polled every 1 ms (a scheduler polls once a step).
+
+The scheduler's cost per step with the tier on and 16 local hits beside the
+tier off (:class:`~.real_path_steps.SchedulerSteps`: vLLM's factory, a real
+``VllmConfig``; the step is ``ensure_cache_available`` of the request, then the
+hooks of 16 hits and the workers' load report), the two connectors'
+steps interleaved.
 
 The MAC (HMAC-SHA256, :mod:`~ecoffload.engine.cluster.value`) and, beside it,
 keyed BLAKE2b-256 and CRC-32 are timed over 8 MiB in this process. Every fetched
@@ -79,6 +85,7 @@ def mac_costs(repeat: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--scheduler-steps", type=int, default=400)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     print("MAC and checksums, ms per MiB (median of", args.repeat, "over 8 MiB):")
@@ -101,11 +108,40 @@ def main() -> None:
                        fetch_timeout_s=30, key=key)  # fmt: skip
     try:
         run(args.repeat, holder, client, tier, cache, key)
+        if args.scheduler_steps:
+            scheduler_cost(args.scheduler_steps, master, tmp)
     finally:
         tier.close()
         cache.close()
         holder.close()
         master.kill()
+
+
+def scheduler_cost(steps: int, master: MasterProcess, tmp: str) -> None:
+    """us per step of 16 local hits, tier off and on, interleaved."""
+    from .real_path_steps import SchedulerSteps
+
+    cluster = {"master": master.address, "metadata": master.metadata, "host": "127.0.0.1",
+               "segment_bytes": "16MiB"}  # fmt: skip
+    off = SchedulerSteps(os.path.join(tmp, "off"))
+    on = SchedulerSteps(os.path.join(tmp, "on"), extra={"cluster": cluster})
+    assert on.sched.side.cluster.tier.client.wait_connected(30)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for i in range(steps):
+            for name, s in (("off", off), ("on", on)) if i % 2 else (("on", on), ("off", off)):
+                t = time.perf_counter()
+                assert s.sched.ensure_cache_available(s.hit_request, 0)
+                s.hits()
+                times[name].append(time.perf_counter() - t)
+        lookups = on.sched.side.stats()["cluster_lookups"]
+    finally:
+        on.close()
+        off.close()
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    print(f"\nscheduler per step, 16 local hits, median of {steps} (us):")
+    print(f"  tier off {med['off']:7.1f}   tier on {med['on']:7.1f}   on / off "
+          f"{med['on'] / med['off']:.3f}   store lookups {lookups}")  # fmt: skip
 
 
 def run(repeat: int, holder, client: StoreClient, tier: ClusterTier, cache, key: bytes) -> None:
