@@ -82,7 +82,7 @@ class StoreSettings:
     retry_s: float = 5.0
 
 
-def _endpoint(address: str) -> tuple[str, int] | None:
+def endpoint(address: str) -> tuple[str, int] | None:
     """(host, port) of ``host:port`` or of an http URL; None for other metadata kinds."""
     if "://" in address:
         parts = urlsplit(address)
@@ -147,7 +147,7 @@ class StoreClient:
         s = self.settings
         self.connect_attempts += 1
         for what, address in (("master", s.master), ("metadata server", s.metadata)):
-            end = _endpoint(address)
+            end = endpoint(address)
             if end is not None and not reachable(*end, timeout_s=1.0):
                 return f"the {what} at {address} accepts no connection"
         store = self._cls()
