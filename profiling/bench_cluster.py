@@ -36,6 +36,7 @@ import hmac
 import logging
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -115,6 +116,7 @@ def main() -> None:
         cache.close()
         holder.close()
         master.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def scheduler_cost(steps: int, master: MasterProcess, tmp: str) -> None:
