@@ -11,6 +11,9 @@ loaded (``pip install ecoffload[cluster]``; ``apt-get install libibverbs1``).
 """
 
 import logging
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -295,3 +298,44 @@ def test_a_full_publish_queue_drops_and_counts(master, host):
     ta.publish(tensors)
     assert ta.counts["cluster_publish_drops"] == len(tensors)
     assert all(a.catalog.entry(k).pins == 0 for k in tensors)
+
+
+PEER = """
+import sys, time
+from ecoffload.engine.cluster import value
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+master, metadata, name = sys.argv[1:4]
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", metadata, 32 << 20, 16 << 20, "tcp", "", master) == 0
+payload = bytes(range(256)) * 1024
+header = value.pack_header(len(payload), "uint8", (len(payload),))
+here = ReplicateConfig()
+here.preferred_segment = s.get_hostname()  # the value lives in this process only
+assert s.put(name, bytes(header) + payload, here) == 0
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_peer_holding_the_values_killed_mid_run_gives_misses_within_the_bound(master, host):
+    (b, tb) = host("host-b", master)
+    name = tb.store_key("img-peer")
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER, master.address, master.metadata, name],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        sizes = tb.lookup(["img-peer"])
+        assert sizes == {"img-peer": 256 * 1024}
+        free = b.catalog.stats().free_blocks
+        peer.send_signal(signal.SIGKILL)
+        peer.wait(10)
+        t = time.monotonic()
+        f = fetched(tb, sizes)
+        assert f.failed == {"img-peer"} and not f.fetched
+        assert time.monotonic() - t < tb.fetch_timeout_s + 1
+        assert "img-peer" not in b.catalog and b.catalog.stats().free_blocks == free
+    finally:
+        peer.kill()
+        peer.wait(10)
