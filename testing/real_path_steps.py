@@ -111,7 +111,8 @@ class SchedulerSteps:
     """The connector's scheduler side (vLLM's factory, a real VllmConfig), ``items`` per step."""
 
     def __init__(self, directory: str, items: int = 16, rows: int = 196,
-                 connector_module: str = "ecoffload.connector") -> None:  # fmt: skip
+                 connector_module: str = "ecoffload.connector",
+                 extra: dict[str, Any] | None = None) -> None:  # fmt: skip
         import importlib
 
         from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
@@ -127,7 +128,8 @@ class SchedulerSteps:
             ec_connector="ECOffloadConnector", ec_connector_module_path=connector_module,
             ec_role="ec_both",
             ec_connector_extra_config={"arena_dir": directory, "arena_bytes": "64MiB",
-                                       "block_bytes": "64KiB", "populate": "eager"},
+                                       "block_bytes": "64KiB", "populate": "eager",
+                                       **(extra or {})},
         )  # fmt: skip
         self.config = VllmConfig(model_config=model, ec_transfer_config=transfer)
         self.sched = ECConnectorFactory.create_connector(self.config, ECConnectorRole.SCHEDULER)

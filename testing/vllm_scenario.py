@@ -99,6 +99,7 @@ def ec_transfer_config(
     role: str = "ec_both",
     persistent: bool = False,
     nixl: dict[str, Any] | None = None,
+    cluster: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The scenario's connector config: a 16 MiB arena of 16 KiB blocks."""
     extra: dict[str, Any] = {"arena_bytes": "16MiB", "block_bytes": "16KiB", "arena_dir": arena_dir}
@@ -108,6 +109,8 @@ def ec_transfer_config(
         extra["persistent"] = True
     if nixl is not None:
         extra["nixl"] = nixl
+    if cluster is not None:
+        extra["cluster"] = cluster
     return {
         "ec_connector": "ECOffloadConnector",
         "ec_connector_module_path": "ecoffload.connector",

@@ -150,14 +150,16 @@ class Server:
         role: str = "ec_both",
         nixl: dict[str, Any] | None = None,
         max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+        cluster: dict[str, Any] | None = None,
     ) -> Server:
         """Start the server and wait until ``/health`` answers (kills it on failure);
-        ``role`` and ``nixl`` go into the connector's config."""
+        ``role``, ``nixl`` and ``cluster`` go into the connector's config."""
         transfer = None
         if connector:
             arena_dir = arena_dir or "/dev/shm"
             arena_name = arena_name or f"ecoffload-serve-{uuid.uuid4().hex[:12]}"
-            transfer = ec_transfer_config(arena_dir, arena_name=arena_name, role=role, nixl=nixl)
+            transfer = ec_transfer_config(arena_dir, arena_name=arena_name, role=role, nixl=nixl,
+                                          cluster=cluster)  # fmt: skip
         port = free_port()
         log_path = log_path or tempfile.mktemp(prefix="ecoffload-serve-", suffix=".log")
         with open(log_path, "ab") as log:

@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = ("kernels", "engine", "connector", "testing", "profiling", "tools")  # lowest first
 TOP = ("profiling", "tools")  # peers: each may import the layers below, not the other
 # engine's sub-packages, lowest first; engine's top-level modules sit above them all
-ENGINE_LAYERS = ("base", "arena", "catalog", "remote")
+ENGINE_LAYERS = ("base", "arena", "catalog", "remote", "cluster")
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> list[str]:

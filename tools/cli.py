@@ -15,6 +15,8 @@
                                       persistent arena only when named; exit 1 if a
                                       named one is held or missing)
     ecoffload dashboard               the Grafana dashboard's JSON
+    ecoffload cluster MASTER METADATA the cluster tier's store: reachable, answering
+                                      (exit 1 if not); writes nothing to it
 
 Each takes ``--json`` (one JSON object on stdout; the schema is in the
 README). The read-only commands never change an arena nor take its lock: they
@@ -34,6 +36,7 @@ from ..engine.arena.arena import Arena
 from ..engine.arena.format import DEFAULT_DIR
 from ..engine.base.errors import ArenaError
 from ..engine.base.sizes import format_bytes
+from ..engine.cluster.master import reachable
 from ..engine.shm_segments import SegmentError, removable, remove, survey
 from ..engine.survey import (
     ArenaNotFoundError,
@@ -206,6 +209,45 @@ def _print_rm(report: dict[str, Any]) -> None:
           file=sys.stderr)  # fmt: skip
 
 
+def cluster_report(master: str, metadata: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The cluster tier's store as an instance would see it: the master and the metadata
+    server reachable, a client connecting (it contributes no segment) and the master
+    answering an existence query. Nothing is written to the store."""
+    from ..engine.cluster.store import StoreClient, StoreSettings, endpoint, store_missing
+    from ..engine.remote.nixl_setup import outward_ip
+
+    report: dict[str, Any] = {"master": master, "metadata": metadata,
+                              "mooncake": store_missing() or "installed"}  # fmt: skip
+    for what, address in (("master", master), ("metadata", metadata)):
+        try:
+            end = endpoint(address)
+        except ValueError:
+            end = None
+        report[f"{what}_reachable"] = end is not None and reachable(*end, timeout_s=1.0)
+    report["available"] = False
+    if report["mooncake"] != "installed" or not (
+        report["master_reachable"] and report["metadata_reachable"]
+    ):
+        return report
+    client = StoreClient(StoreSettings(master, metadata, host=outward_ip(), segment_bytes=0))
+    try:
+        if client.wait_connected(timeout_s):
+            codes = client.call("lookup", lambda s: s.batch_is_exist(["ecoffload/probe"]),
+                                timeout_s)  # fmt: skip
+            report["available"] = codes is not None and codes[0] in (0, 1)
+    finally:
+        client.close(timeout_s)
+    return report
+
+
+def _print_cluster(r: dict[str, Any]) -> None:
+    print(f"mooncake: {r['mooncake']}")
+    print(f"master {r['master']}: {'reachable' if r['master_reachable'] else 'NOT reachable'}")
+    print(f"metadata {r['metadata']}: "
+          f"{'reachable' if r['metadata_reachable'] else 'NOT reachable'}")  # fmt: skip
+    print("cluster tier: " + ("available" if r["available"] else "UNAVAILABLE"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``ecoffload`` console script."""
     parser = argparse.ArgumentParser(prog="ecoffload", description=(__doc__ or "").split("\n\n")[0])
@@ -223,12 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     cmd.add_argument("--remove", nargs="*", metavar="NAME",
                      help="remove the leaked segments (or the named ones)")  # fmt: skip
     sub.add_parser("dashboard", help="print the Grafana dashboard (JSON)")
+    cmd = sub.add_parser("cluster", help="the cluster tier's Mooncake Store: reachable, answering")
+    cmd.add_argument("master", help="host:port of mooncake_master (the cluster.master key)")
+    cmd.add_argument("metadata", help="its metadata server URL (the cluster.metadata key)")
+    cmd.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for answers")
     for cmd in sub.choices.values():
         cmd.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     if args.command == "dashboard":
         print(json.dumps(dashboard.load(), indent=2))
         return EXIT_OK
+    if args.command == "cluster":
+        report = cluster_report(args.master, args.metadata, args.timeout)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_cluster(report)
+        return EXIT_OK if report["available"] else EXIT_REFUSED
     try:
         if args.command == "arenas":
             report, show = arenas_report(args.directory), _print_arenas

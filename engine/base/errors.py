@@ -107,3 +107,11 @@ class RemotePeerError(RemoteError):
 
 class RemoteExtentError(RemoteError, ValueError):
     """Extents given to a remote read do not fit the arenas or the item sizes."""
+
+
+class ClusterError(ECOffloadError):
+    """The cluster tier (Mooncake Store) is missing, misconfigured or refused a value."""
+
+
+class ClusterNotInstalledError(ClusterError, ImportError):
+    """The cluster tier's store client (Mooncake) cannot be imported."""

