@@ -16,10 +16,8 @@ from setuptools import Extension, setup
 FLAGS = dict(extra_compile_args=["-O2", "-fwrapv"], define_macros=[("NDEBUG", None)])
 if os.environ.get("ECOFFLOAD_SANITIZE") == "1":  # `make sanitize`: ASan + UBSan, overflow UB
     SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-    FLAGS = dict(
-        extra_compile_args=["-O1", "-g", "-fno-omit-frame-pointer", "-fno-wrapv", *SANITIZE],
-        extra_link_args=SANITIZE,
-    )
+    DEBUG = ["-O1", "-g", "-fno-omit-frame-pointer", "-fno-wrapv"]
+    FLAGS = dict(extra_compile_args=[*DEBUG, *SANITIZE], extra_link_args=SANITIZE)
 
 setup(
     ext_modules=[

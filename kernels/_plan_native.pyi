@@ -40,6 +40,7 @@ def plan_step(
 def item_layout(
     tensors: Sequence[torch.Tensor], /
 ) -> tuple[int, list[int], list[int], int] | None: ...
-def check_step(extents: Buffer, bounds: Buffer, num_blocks: int, /) -> int | None:
-    """-1 when every extent lies inside ``num_blocks``, else the first that does not;
-    None for arrays it cannot read (numpy then names what is wrong)."""
+def check_step(extents: Buffer, bounds: Buffer, num_blocks: int = -1, /) -> int | None:
+    """-1 when the arrays are a step table's and every extent lies inside ``num_blocks``
+    (-1: the arrays only), else the first extent outside; None for arrays that are not a
+    step table's (step_table.py then names what is wrong)."""

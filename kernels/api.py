@@ -454,13 +454,18 @@ def _plain_byte_view(tensor: torch.Tensor) -> torch.Tensor:
 def _byte_size(tensor: torch.Tensor, what: str) -> int:
     """Bytes of a contiguous tensor, from torch.Tensor's own accessors (torch functions
     off); PlanError for anything else."""
-    with _no_torch_functions():
-        if not isinstance(tensor, torch.Tensor) or not _is_contiguous(tensor):
-            raise PlanError(f"{what} must be a contiguous tensor, got {type(tensor).__name__}")
-        return _nbytes(tensor)
+    if type(tensor) is torch.Tensor and not _modes_on():  # nothing can answer for torch
+        if _is_contiguous(tensor):
+            return _nbytes(tensor)
+    else:
+        with _no_torch_functions():
+            if isinstance(tensor, torch.Tensor) and _is_contiguous(tensor):
+                return _nbytes(tensor)
+    raise PlanError(f"{what} must be a contiguous tensor, got {type(tensor).__name__}")
 
 
 _is_contiguous = torch.Tensor.is_contiguous
 _data_ptr = torch.Tensor.data_ptr
 _nbytes = torch.Tensor.nbytes.__get__  # pyright: ignore[reportAttributeAccessIssue]  (a property)
 _no_torch_functions = torch._C.DisableTorchFunction
+_modes_on = torch._C._is_torch_function_mode_enabled

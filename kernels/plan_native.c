@@ -29,7 +29,9 @@
  * integers and other int-likes go to the Python passes.
  *
  * check_step(extents, bounds, num_blocks) -> -1, the first extent outside, or None
- *   what a worker checks of a step table it received (see check_step below).
+ *   what a worker checks of a step table it received (see check_step below);
+ *   without num_blocks, the arrays only (-1 or None): what step_table.step_arrays
+ *   checks of every step table made, in ~0.2 us instead of numpy's ~3.6.
  *
  * item_layout(tensors) -> (lowest, offsets, sizes, span) or None
  *   api._item_layout's numbers for a list of tensors: the index of the
@@ -360,8 +362,8 @@ done:
  * it receives, before any copy: one pass over the arrays. */
 static PyObject *check_step(PyObject *self, PyObject *args) {
     PyObject *extents, *bounds;
-    long long num_blocks;
-    if (!PyArg_ParseTuple(args, "OOL", &extents, &bounds, &num_blocks)) return NULL;
+    long long num_blocks = -1;  /* -1 (check_arrays): the arrays only, not the extents */
+    if (!PyArg_ParseTuple(args, "OO|L", &extents, &bounds, &num_blocks)) return NULL;
     Py_buffer ev, bv;
     PyObject *result = Py_None;
     Py_ssize_t pairs = int64_buffer(extents, &ev, 2), edges = int64_buffer(bounds, &bv, 1);
@@ -371,7 +373,7 @@ static PyObject *check_step(PyObject *self, PyObject *args) {
     if (b[0] != 0 || b[edges - 1] != n) goto done;
     for (Py_ssize_t i = 1; i < edges; i++)
         if (b[i] < b[i - 1]) goto done;
-    for (Py_ssize_t k = 0; k < n; k++) {
+    for (Py_ssize_t k = 0; k < n && num_blocks >= 0; k++) {
         int64_t start = ext[2 * k], count = ext[2 * k + 1];
         if (start < 0 || start >= num_blocks || count <= 0 || count > num_blocks - start) {
             bad = k;

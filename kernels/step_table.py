@@ -41,6 +41,12 @@ def step_arrays(extents: object, bounds: object) -> tuple[np.ndarray, np.ndarray
     protocol by the rules of the planner's C pass (so both passes accept the same
     arrays): C-contiguous native int64, extents ``[E, 2]``, bounds ``[N + 1]`` running
     from 0 to E without going down. Raises PlanError naming what is wrong."""
+    c_pass = native.planner()  # the same rules in C, for the usual arrays:
+    if (
+        c_pass is not None and type(extents) is np.ndarray and type(bounds) is np.ndarray
+        and c_pass.check_step(extents, bounds) == -1
+    ):  # fmt: skip
+        return extents, bounds
     views: list[np.ndarray] = []
     for name, array, ndim in (("extents", extents, 2), ("bounds", bounds, 1)):
         try:

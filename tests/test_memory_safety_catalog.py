@@ -10,13 +10,10 @@ operation must raise CatalogCorruptError, having rebuilt the catalog, whose
 check passes after.
 """
 
-import os
-import resource
-import signal
-import time
 import zlib
 
 import pytest
+from deadline import in_child
 from test_catalog import B, open_shared
 
 from ecoffload.engine.base.errors import CatalogCorruptError, CatalogError
@@ -75,38 +72,20 @@ def same_bucket(c: SharedCatalog, key: str) -> str:
 
 
 def in_child_with_deadline(op) -> tuple[str, str]:
-    """(outcome, message) of ``op()`` run in a forked child: "returned", the name of the
-    error it raised, or "hung" (killed at the deadline). The child's address space is
-    capped, so a list grown without bound fails there, not on the host."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        os.close(read)
+    """(outcome, message) of ``op()`` run in a forked child (tests/deadline.py):
+    "returned", the name of the error it raised, or "hung" (killed at the deadline)."""
+
+    def run() -> str:
         try:
-            with open("/proc/self/status") as f:
-                vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
-            cap = vm * 1024 + (512 << 20)
-            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
             op()
-            outcome, message = "returned", ""
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
-            outcome, message = type(e).__name__, str(e)
-        os.write(write, f"{outcome}\n{message}".encode()[:60000])
-        os._exit(0)
-    os.close(write)
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.01)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(read)
+        except Exception as e:
+            return f"{type(e).__name__}\n{e}"
+        return "returned\n"
+
+    report = in_child(run, DEADLINE_S)
+    if report == "killed":
         return "hung", f"still running after {DEADLINE_S} s (killed)"
-    with os.fdopen(read, "rb") as f:
-        outcome, _, message = f.read().decode().partition("\n")
+    outcome, _, message = report.partition("\n")
     return outcome, message
 
 

@@ -15,13 +15,12 @@ first; about 10 s each on a 2-vCPU VM); ``ECOFFLOAD_FUZZ_SECONDS`` and
 import contextlib
 import os
 import random
-import resource
 import signal
 import time
-import traceback
 
 import numpy as np
 import pytest
+from deadline import in_child
 from test_catalog import B, open_shared
 
 from ecoffload.engine.base.errors import CatalogError
@@ -224,36 +223,6 @@ def random_op(c: SharedCatalog, rng: random.Random, fast) -> str:
     return f"{op}({key!r}, {'C' if c._fast is not None else 'Python'})"
 
 
-def in_child(run, deadline_s: float) -> str:
-    """What ``run()`` in a forked child wrote back ("" if it died), or "killed" when it
-    outlived ``deadline_s`` (a loop the child's own timer could not interrupt)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            with open("/proc/self/status") as f:
-                vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
-            resource.setrlimit(resource.RLIMIT_AS, (vm * 1024 + (256 << 20),) * 2)
-            report = run()
-        except BaseException as e:  # noqa: BLE001 - reported to the parent
-            report = f"child: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-        os.write(write, report.encode()[:60000])
-        os._exit(0)
-    os.close(write)
-    stop = time.monotonic() + deadline_s
-    while time.monotonic() < stop and not os.waitpid(pid, os.WNOHANG)[0]:
-        time.sleep(0.005)
-    else:
-        if time.monotonic() >= stop:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(read)
-            return "killed"
-    with os.fdopen(read, "rb") as f:
-        return f.read().decode()
-
-
 def test_random_damage_then_random_operations_never_hang_and_leave_a_catalog_that_checks(
     tmp_path,
 ):
@@ -289,7 +258,7 @@ def test_random_damage_then_random_operations_never_hang_and_leave_a_catalog_tha
                     signal.setitimer(signal.ITIMER_REAL, 0)
             return f"ok {damaged} {outcomes}"
 
-        report = in_child(run, deadline_s=15.0)
+        report = in_child(run, deadline_s=15.0, memory_bytes=256 << 20)
         assert report.startswith("ok"), f"seed {seed}: {report}"
         refused += "CatalogCorruptError" in report
         c._fast = None

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ecoffload.kernels import LaunchConfig, PlanError, native, pack, plan_copy, unpack
+from ecoffload.kernels import ItemViews, LaunchConfig, PlanError, native, pack, plan_copy, unpack
 from ecoffload.kernels.api import triton_available
 from ecoffload.kernels.step_table import StepTable
 
@@ -216,3 +216,17 @@ def test_buffers_past_int64_are_refused_not_overflowed(passes, name):
 def test_tables_of_ints_past_int64_are_a_plan_error():
     with pytest.raises(PlanError, match=r"\(start, count\) pairs of int64s"):
         StepTable.from_tables([[(0, 2**63)]])
+
+
+@pytest.mark.kernel
+def test_an_item_views_buffer_that_lies_about_its_size_is_measured_by_torch(passes):
+    if not triton_available(DEVICE):
+        pytest.skip("Triton cannot run here")
+    arena = torch.arange(4 * B, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+    buf, out = poisoned(B)
+    views = ItemViews([out], out.as_subclass(Deceiving), [0], [2 * B])  # B bytes, claims 2 B
+    with pytest.raises(PlanError, match=r"bytes \[0, 8192\) are not inside the items buffer"):
+        unpack(arena, [[(0, 2)]], B, views, backend="triton")
+    assert_poison_intact(buf, B)
+    with pytest.raises(PlanError, match="the ItemViews' buffer must be a contiguous tensor"):
+        unpack(arena, [[(0, 1)]], B, ItemViews([out], "not a tensor", [0], [B]))
