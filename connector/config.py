@@ -105,7 +105,7 @@ class NixlConfig:
             raise ConfigError(
                 "nixl.listen_port is gone: no NIXL listener runs any more (the producer's "
                 "metadata travels inside ec_transfer_params); remove it, and open "
-                "nixl.tcp_port_range on the producer instead (README \"Security\")"
+                'nixl.tcp_port_range on the producer instead (README "Security")'
             )
         unknown = sorted(set(value) - set(NIXL_DEFAULTS))
         if unknown:

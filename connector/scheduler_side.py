@@ -89,8 +89,9 @@ class SchedulerSide:
         self.peer = self.remote_producer = self.remote_consumer = None
         if config.nixl is not None:  # pulls between hosts (remote_pull.py)
             try:
-                self.peer = open_peer(self.arena, config.nixl, producer=self.producer,
-                                      consumer=self.consumer)
+                self.peer = open_peer(
+                    self.arena, config.nixl, producer=self.producer, consumer=self.consumer
+                )
             except BaseException:
                 self.catalog.close()
                 self.arena.close()

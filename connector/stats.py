@@ -91,9 +91,7 @@ class ECOffloadStats(ECConnectorStats):
         )
 
 
-def delta(
-    now: dict[str, int | float], reported: dict[str, int | float]
-) -> dict[str, int | float]:
+def delta(now: dict[str, int | float], reported: dict[str, int | float]) -> dict[str, int | float]:
     """What changed since ``reported`` (updated in place to ``now``): counter
     increments and new gauge values."""
     changed = {}

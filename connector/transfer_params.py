@@ -130,9 +130,7 @@ class TransferParams:
         """The announcement in ``params`` (as :meth:`to_json` wrote it) if it is
         ecoffload's, of this format and made for ``layout``; ValueError otherwise."""
         if not isinstance(params, Mapping) or params.get("ecoffload") != FORMAT:
-            raise ValueError(
-                f"not ecoffload ec_transfer_params (format {FORMAT}): {params!r:.200}"
-            )
+            raise ValueError(f"not ecoffload ec_transfer_params (format {FORMAT}): {params!r:.200}")
         if params.get("layout") != layout:
             raise ValueError(
                 f"announced for layout {params.get('layout')!r}, this instance serves "

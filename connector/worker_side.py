@@ -204,8 +204,9 @@ class WorkerSide:
                 self._not_saved[key] = -1
             return
         saved = {
-            k: _Saved(spec.generation, dtype_name(t.dtype), tuple(t.shape), table.extents_of(i),
-                      t.nbytes)  # fmt: skip
+            k: _Saved(
+                spec.generation, dtype_name(t.dtype), tuple(t.shape), table.extents_of(i), t.nbytes
+            )  # fmt: skip
             for i, ((k, t), spec) in enumerate(zip(queued.items(), specs, strict=True))
         }
         self._pending_saves.append((done, saved))

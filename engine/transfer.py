@@ -229,9 +229,7 @@ class BlockMover:
         event.record(self.stream)
         return event
 
-    def _copy(
-        self, tensors: list[torch.Tensor], tables: Tables, *, to_arena: bool
-    ) -> None:
+    def _copy(self, tensors: list[torch.Tensor], tables: Tables, *, to_arena: bool) -> None:
         block = self.arena.block_bytes
         backend = "auto" if self.path == "kernel" else "reference"
         if backend == "auto" and self.arena.registered:
@@ -257,9 +255,7 @@ class BlockMover:
         else:
             unpack(arena, tables, block, tensors, config=self.unpack_config, backend=backend)
 
-    def _host_copy(
-        self, tensors: list[torch.Tensor], tables: Tables, to_arena: bool
-    ) -> None:
+    def _host_copy(self, tensors: list[torch.Tensor], tables: Tables, to_arena: bool) -> None:
         """Reference copies through the host mapping (blocks this process has not registered)."""
         block, host = self.arena.block_bytes, self.arena.host_tensor()
         if to_arena:

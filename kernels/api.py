@@ -377,7 +377,11 @@ def _plan(
 
 
 def _plan_in_c(
-    c_pass, tensors: list[torch.Tensor], tables: Tables, arena: torch.Tensor, block_bytes: int,
+    c_pass,
+    tensors: list[torch.Tensor],
+    tables: Tables,
+    arena: torch.Tensor,
+    block_bytes: int,
     config: LaunchConfig,
 ) -> tuple[torch.Tensor | None, list[int], CopyPlan] | None:
     """:func:`_plan`'s answer from the C pass alone, or None where it declines (then

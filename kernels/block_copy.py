@@ -112,8 +112,7 @@ def launch_block_copy(
         )
     if arena.dtype != torch.uint8 or arena.dim() != 1 or not arena.is_contiguous():
         raise ValueError(
-            f"arena must be a flat contiguous uint8 tensor, got {arena.dtype} "
-            f"{tuple(arena.shape)}"
+            f"arena must be a flat contiguous uint8 tensor, got {arena.dtype} {tuple(arena.shape)}"
         )
     if items.device != arena.device:
         raise ValueError(f"items are on {items.device} but the arena is on {arena.device}")

@@ -55,8 +55,10 @@ def step_arrays(extents: object, bounds: object) -> tuple[np.ndarray, np.ndarray
             view = None
         fmt = "" if view is None else view.format
         fmt = fmt[1:] if fmt[:1] in ("@", "=") else fmt
-        shaped = view is not None and view.ndim == ndim and (
-            ndim == 1 or tuple(view.shape or ())[1:] == (2,)
+        shaped = (
+            view is not None
+            and view.ndim == ndim
+            and (ndim == 1 or tuple(view.shape or ())[1:] == (2,))
         )
         if (
             view is None or not shaped or view.itemsize != 8 or fmt not in ("q", "l")

@@ -164,4 +164,3 @@ def _item_layout(
     offsets = [p - start if n else 0 for p, n in zip(ptrs, sizes, strict=True)]
     span = max(o + n for o, n in zip(offsets, sizes, strict=True))
     return byte_view(tensors[lowest]), offsets, sizes, span
-

@@ -714,6 +714,7 @@ def write_results(out: str, device: torch.device, rows: list[Row], paths: dict,
     else:
         print(f"\nwrote {out}/bench.json, bench.md")
 
+
 if __name__ == "__main__":
     # `timeout` sends SIGTERM: unwind through main's finally, so bench.json is written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

@@ -136,6 +136,7 @@ def shared_vs_local(resident: int, sample: int = 20000) -> list[tuple[str, float
             rows.setdefault("pin_many+unpin_many, 16 keys (per key)", []).append(
                 per_op(pin_unpin_16, batches) / 16
             )
+
             def connector_hit(key, cat=cat):  # has_cache_item, then the load's unpin
                 if cat is shared:
                     cat.lookup(key, pin=True)

@@ -86,7 +86,7 @@ def compare(base_module, resident: int, rounds: int) -> list[tuple[str, float, f
     times: dict[str, tuple[list[float], list[float]]] = {op: ([], []) for op in table[0]}
     for r in range(rounds):
         for op in times:
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
                 fn, items = table[i][op]
                 t0 = time.process_time()
                 for item in items:

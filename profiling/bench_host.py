@@ -160,9 +160,9 @@ def real_path_rows(repeat: int, directory: str) -> list[dict]:
                 n = max(5, repeat // (1 + extents // 25))
                 catalog = "shared" if shared else "in-process"
                 count = steps.extents()
-                t_save, = timed_side_by_side([steps.save_then_forget], n)
+                (t_save,) = timed_side_by_side([steps.save_then_forget], n)
                 steps.save()
-                t_load, = timed_side_by_side([steps.load], n)
+                (t_load,) = timed_side_by_side([steps.load], n)
                 rows.append(dict(group="OffloadCache (full call, copy included)", step=name,
                                  catalog=catalog, direction="save + flush", extents=count,
                                  now_us=t_save * 1e6))  # fmt: skip
@@ -241,8 +241,14 @@ def scheduler_rows(repeat: int, directory: str, before: str | None = None) -> li
     rows = []
     for step, times in (("16 hits: lookup+pin, alloc, meta, load report", t_hits),
                         ("16 saves: lookup, reserve, meta", t_saves)):  # fmt: skip
-        row = dict(group=group, step=step, catalog="shared", extents=16,
-                   direction="load" if "hits" in step else "save", now_us=times[-1] * 1e6)
+        row = dict(
+            group=group,
+            step=step,
+            catalog="shared",
+            extents=16,
+            direction="load" if "hits" in step else "save",
+            now_us=times[-1] * 1e6,
+        )
         if before is not None:
             row.update(before_us=times[0] * 1e6, ratio=times[0] / times[-1])
         rows.append(row)
@@ -374,13 +380,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--json", help="also write the real-path rows to this file")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="torch's intra-op threads (default 1: on a busy 2-vCPU host its "
-                             "pool's spin-waits made a 300 KB host copy_ 10-30x slower)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch's intra-op threads (default 1: on a busy 2-vCPU host its "
+        "pool's spin-waits made a 300 KB host copy_ 10-30x slower)",
+    )
     parser.add_argument("--real-only", action="store_true", help="only the real-path rows")
-    parser.add_argument("--before", metavar="CHECKOUT",
-                        help="an older checkout of the repository: its connector's scheduler "
-                             "hooks timed interleaved with this one's (the 'before' column)")
+    parser.add_argument(
+        "--before",
+        metavar="CHECKOUT",
+        help="an older checkout of the repository: its connector's scheduler "
+        "hooks timed interleaved with this one's (the 'before' column)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     c_pass = native.planner()
@@ -397,8 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         real = real_path_rows(args.repeat, tmp) + scheduler_rows(args.repeat, tmp, args.before)
         real += worker_rows(args.repeat, tmp, args.before)
     print("Real paths (the entry points users call; tables as the catalogs hand them out):\n")
-    print("The anchor: the frozen pre-issue-10 host path (planning rows), or the checkout given "
-          "as --before (connector rows).\n")
+    print(
+        "The anchor: the frozen pre-issue-10 host path (planning rows), or the checkout given "
+        "as --before (connector rows).\n"
+    )
     print("| rows | step | catalog | direction | extents | anchor (us) | now (us) | anchor / now |")
     print("|---|---|---|---|---|---|---|---|")
     for r in real:

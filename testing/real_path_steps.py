@@ -266,9 +266,7 @@ class WorkerSteps:
     def _planned(self, request: Any) -> Any:
         """vLLM's scheduler output of one step planned by the scheduler side (untimed)."""
         out = self._output_of()
-        out.ec_connector_metadata = self._pickle.loads(
-            self._pickle.dumps(self.s._step(request))
-        )
+        out.ec_connector_metadata = self._pickle.loads(self._pickle.dumps(self.s._step(request)))
         return out
 
     def _run(self, sched_out: Any, computed: dict[str, torch.Tensor]) -> Any:

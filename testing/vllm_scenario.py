@@ -332,8 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena-name", default=None, help="share this arena with other runs")
     parser.add_argument("--persistent", action="store_true", help="keep the arena file")
     parser.add_argument("--order", default=None, help="image indices to request, e.g. 0,1,0")
-    parser.add_argument("--hold-until", default=None,
-                        help="after printing the result keep running until this file exists")
+    parser.add_argument(
+        "--hold-until",
+        default=None,
+        help="after printing the result keep running until this file exists",
+    )
     parser.add_argument("--nixl", default=None, help="the nixl config key, as JSON")
     parser.add_argument(
         "--transfer-params", default=None, help="JSON file: ec_transfer_params per request"
@@ -368,9 +371,16 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         del llm
         return 0
-    result = run(connector=args.connector, multiprocess=args.multiprocess, order=order,
-                 role=args.role, arena_name=args.arena_name, persistent=args.persistent,
-                 nixl=nixl, transfer_params=args.transfer_params)
+    result = run(
+        connector=args.connector,
+        multiprocess=args.multiprocess,
+        order=order,
+        role=args.role,
+        arena_name=args.arena_name,
+        persistent=args.persistent,
+        nixl=nixl,
+        transfer_params=args.transfer_params,
+    )
     print(json.dumps(asdict(result)), flush=True)
     return 0
 

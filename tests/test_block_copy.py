@@ -202,8 +202,17 @@ def check_tables(items, tables, num_blocks):
         ([100], [[(0, 2)]], "past its end"),
         ([B + 1], [[(0, 1), (3, 2)]], "past its end"),
     ],
-    ids=["past-end", "negative", "empty-extent", "duplicate", "overlap", "too-short", "too-long",
-         "last-extent-too-long", "multi-extent-too-long"],  # fmt: skip
+    ids=[
+        "past-end",
+        "negative",
+        "empty-extent",
+        "duplicate",
+        "overlap",
+        "too-short",
+        "too-long",
+        "last-extent-too-long",
+        "multi-extent-too-long",
+    ],  # fmt: skip
 )
 def test_bad_tables_are_refused_before_launch(sizes, tables, match):
     items = [torch.ones(n, dtype=torch.uint8, device=DEVICE) for n in sizes]
@@ -250,8 +259,13 @@ def test_offsets_count_from_the_lowest_non_empty_tensor(empty_first):
 
 @pytest.mark.parametrize(
     "shape, strides, dtype",
-    [((196, 64), (64, 1), torch.bfloat16), ((), (), torch.float32), ((4, 1), (1, 7), torch.float32),
-     ((3, 0), (1, 1), torch.float16), ((2, 3, 4), (12, 4, 1), torch.uint8)],
+    [
+        ((196, 64), (64, 1), torch.bfloat16),
+        ((), (), torch.float32),
+        ((4, 1), (1, 7), torch.float32),
+        ((3, 0), (1, 1), torch.float16),
+        ((2, 3, 4), (12, 4, 1), torch.uint8),
+    ],
     ids=["rows", "0-d", "last-dim-1-odd-stride", "empty", "uint8"],
 )
 def test_the_items_base_is_one_uint8_view_over_the_lowest_item_s_bytes(shape, strides, dtype):

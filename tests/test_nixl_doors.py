@@ -196,8 +196,10 @@ def test_a_params_holder_reads_only_live_leases_and_writes_no_arena(two_hosts):
         assert time.monotonic() < deadline
         step(psched)
         time.sleep(0.005)
-    leases = [psched.request_finished(produce(psched, pworker, f"p{i}", images))[1]
-              for i, images in ((2, [("a", 33, 9)]), (3, [("b", 1, 10), ("c", 70, 11)]))]
+    leases = [
+        psched.request_finished(produce(psched, pworker, f"p{i}", images))[1]
+        for i, images in ((2, [("a", 33, 9)]), (3, [("b", 1, 10), ("c", 70, 11)]))
+    ]
     params = leases[0]  # the holder holds one request's params
     window, arena = psched.side.peer.window, psched.side.arena
     arena_before = bytes(arena.host.numpy())

@@ -62,8 +62,19 @@ def test_wheel_holds_only_the_ecoffload_package(tmp_path):
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"ecoffload", wheel.split("-")[0] + "-" + wheel.split("-")[1] + ".dist-info"}
-    for sub in ("kernels", "engine", "connector", "testing", "profiling", "tools", "engine/base",
-                "engine/arena", "engine/catalog", "engine/catalog/shared", "engine/remote"):
+    for sub in (
+        "kernels",
+        "engine",
+        "connector",
+        "testing",
+        "profiling",
+        "tools",
+        "engine/base",
+        "engine/arena",
+        "engine/catalog",
+        "engine/catalog/shared",
+        "engine/remote",
+    ):
         assert f"ecoffload/{sub}/__init__.py" in names
     assert "ecoffload/profiling/gpu_check.sh" in names
     # The C passes, built by the install (a host building the wheel has a compiler).
@@ -71,9 +82,11 @@ def test_wheel_holds_only_the_ecoffload_package(tmp_path):
         assert any(n.startswith(f"ecoffload/{module}") and n.endswith(".so")
                    for n in names), names  # fmt: skip
     assert "ecoffload/tools/grafana/ecoffload.json" in names  # `ecoffload dashboard` prints it
-    entry_points = zipfile.ZipFile(tmp_path / wheel).read(
-        wheel.split("-")[0] + "-" + wheel.split("-")[1] + ".dist-info/entry_points.txt"
-    ).decode()
+    entry_points = (
+        zipfile.ZipFile(tmp_path / wheel)
+        .read(wheel.split("-")[0] + "-" + wheel.split("-")[1] + ".dist-info/entry_points.txt")
+        .decode()
+    )
     assert "ecoffload = ecoffload.tools.cli:main" in entry_points
     assert "ecoffload-vllm = ecoffload.connector.cli:main" in entry_points
 

@@ -189,6 +189,7 @@ def test_step_arrays_it_cannot_read_as_given_are_refused(c_pass, odd):
     assert c_pass.plan_step(offsets, sizes, extents, bounds, block, blocks * block, *rest,
                             8) is None  # fmt: skip
 
+
 class Index:
     """An int-like whose ``__index__`` runs code: here, code that empties a list the C pass
     is reading (it must never run such code while it holds borrowed references)."""

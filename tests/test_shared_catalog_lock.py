@@ -375,8 +375,15 @@ def _arena_holder_dies_in_commit(arena_dir, meta):
         if name == "commit:written":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    with Arena.open_shared("p", block_bytes=B, num_blocks=16, directory=arena_dir,
-                           register_cuda="never", meta_bytes=meta, persistent=True) as arena:
+    with Arena.open_shared(
+        "p",
+        block_bytes=B,
+        num_blocks=16,
+        directory=arena_dir,
+        register_cuda="never",
+        meta_bytes=meta,
+        persistent=True,
+    ) as arena:
         cat = SharedCatalog.for_arena(arena, max_items=8)  # fmt: skip
         e = cat.reserve("kept", 3 * B)
         arena.host[e.extents[0].start * B : (e.extents[0].start + 3) * B] = 7
@@ -604,9 +611,7 @@ def test_items_name_this_process_by_pid_and_start_time(tmp_path, monkeypatch):
     c.close()
 
 
-def test_the_fork_hook_gives_every_live_catalog_object_the_child_s_identity(
-    tmp_path, monkeypatch
-):
+def test_the_fork_hook_gives_every_live_catalog_object_the_child_s_identity(tmp_path, monkeypatch):
     """What a forked child runs (``os.register_at_fork``): every catalog object still alive,
     and its C fast path, learn the process's pid and start time again."""
     monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")

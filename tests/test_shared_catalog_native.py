@@ -145,9 +145,7 @@ def test_the_c_paths_leave_the_region_byte_identical_to_the_python_methods(
             c.close()
 
 
-def test_the_connectors_hit_step_takes_the_c_paths_for_every_hit_and_unpin(
-    tmp_path, monkeypatch
-):
+def test_the_connectors_hit_step_takes_the_c_paths_for_every_hit_and_unpin(tmp_path, monkeypatch):
     """Through vLLM's factory, as bench_host times it: 16 pinning lookups in C, and the
     worker's load report turned into 16 unpins in C; none sent the Python way."""
     pytest.importorskip("vllm")

@@ -78,6 +78,7 @@ def test_a_faulty_step_table_is_named_as_precisely_as_per_item_tables(monkeypatc
         monkeypatch.setattr(native, "planner", lambda: None)
     numpy_refusals = []
     real = plan._segments_arrays
+
     def counted(*args):
         numpy_refusals.append(real(*args))
         return numpy_refusals[-1]
@@ -106,7 +107,6 @@ def test_a_step_of_catalog_entries_is_their_extents_concatenated():
     assert StepTable.of_entries([]) == StepTable.from_tables([])
     with pytest.raises(ValueError):  # an entry's array is made once and never written
         entries[0].extent_array[0, 0] = 7
-
 
 
 @pytest.mark.parametrize("shared", [False, True])

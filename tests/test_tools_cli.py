@@ -122,9 +122,7 @@ def test_arenas_lists_each_live_arena_with_its_holders(arena_dir, holders):
     assert (digest(live.path), digest(kept.path)) == before
 
 
-def test_inspect_shows_states_pins_producers_and_free_room_and_changes_nothing(
-    arena_dir, holders
-):
+def test_inspect_shows_states_pins_producers_and_free_room_and_changes_nothing(arena_dir, holders):
     live = holders("live", arena_dir)
     before = digest(live.path)
     code, report, err = ecoffload("inspect", "live", "--dir", arena_dir)

@@ -47,6 +47,8 @@ def cache_dir() -> Path:
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "ecoffload"
     return Path.home() / ".cache" / "ecoffload"
+
+
 # Compiled libraries, C/CUDA sources and headers: the CPU platform uses none of them.
 NATIVE_SUFFIXES = (".so", ".h", ".hpp", ".cuh", ".cu", ".inl", ".cpp")
 COMPLETE = ".complete"  # written last: a folder without it is unpacked again

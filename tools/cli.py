@@ -74,12 +74,11 @@ def inspect_report(name: str, directory: str) -> dict[str, Any]:
             s: sum(i.state == s for i in items) for s in ("writing", "ready", "unverified")
         },
         items=[asdict(i) for i in items],
-        pins=[
-            {"key": i.key, **asdict(p)} for i in items for p in i.pinned_by
-        ],
+        pins=[{"key": i.key, **asdict(p)} for i in items for p in i.pinned_by],
         producers=[
             {"key": i.key, "pid": i.producer_pid, "alive": i.producer_alive}
-            for i in items if i.state == "writing"
+            for i in items
+            if i.state == "writing"
         ],  # fmt: skip
         free_extents={
             "count": len(extents),

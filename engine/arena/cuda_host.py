@@ -126,9 +126,7 @@ class HostRegistration:
                 "version, or register_cuda='never' for unregistered copies"
             )
         if alias.numel() != self.nbytes:
-            raise ArenaError(
-                f"the device alias has {alias.numel()} bytes, expected {self.nbytes}"
-            )
+            raise ArenaError(f"the device alias has {alias.numel()} bytes, expected {self.nbytes}")
         self._aliases[index] = alias
         return alias
 

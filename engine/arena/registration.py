@@ -99,9 +99,7 @@ class Registrar:
             return False
         return True
 
-    def covers(
-        self, extents: Sequence[tuple[int, int]] | np.ndarray, block_bytes: int
-    ) -> bool:
+    def covers(self, extents: Sequence[tuple[int, int]] | np.ndarray, block_bytes: int) -> bool:
         """Whether every block of ``extents`` lies in a registered span."""
         end, failed = self.end, self.failed  # end first: every failed span below it is listed
         if self.alias is None:

@@ -171,8 +171,10 @@ class SharedCatalog(
             s = w[H_SLOT_FREE]
             b = self._sl + s * SLOT_WORDS
             if s >= self._nslots or w[b + S_STATE] != FREE:  # (>= 0: _make_room checked)
-                self._corrupt(f"the slot free list's head is slot {s} of {self._nslots}"
-                              + ("" if s >= self._nslots else f", in state {w[b + S_STATE]}"))
+                self._corrupt(
+                    f"the slot free list's head is slot {s} of {self._nslots}"
+                    + ("" if s >= self._nslots else f", in state {w[b + S_STATE]}")
+                )
             w[H_SLOT_FREE] = w[b + S_HNEXT]
             if fault_points.hook is not None:
                 fault_points.hook("reserve:allocated")
@@ -278,8 +280,11 @@ class SharedCatalog(
             w[H_STORED] += 1
             w[H_BYTES_STORED] += nbytes
             entry = self._seen.get(key)
-            if entry is not None and entry.slot == s and entry.generation == gen and (
-                entry.state is _WRITING
+            if (
+                entry is not None
+                and entry.slot == s
+                and entry.generation == gen
+                and (entry.state is _WRITING)
             ):
                 # This object's entry of the reservation: what commit changed, in place.
                 entry.state = _READY
@@ -344,8 +349,10 @@ class SharedCatalog(
             if entry is not None:  # seen READY: still the same reservation, still READY?
                 s = entry.slot
                 b = self._sl + s * SLOT_WORDS
-                if entry.state is not _READY or w[b + S_GEN] != entry.generation or (
-                    w[b + S_STATE] != READY
+                if (
+                    entry.state is not _READY
+                    or w[b + S_GEN] != entry.generation
+                    or (w[b + S_STATE] != READY)
                 ):
                     entry = None
             if entry is None:  # ask the table

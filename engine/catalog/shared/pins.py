@@ -56,8 +56,10 @@ class Pins(CatalogState):
             if entry is not None:  # seen READY: still the same reservation, still READY?
                 s = entry.slot
                 b = self._sl + s * SLOT_WORDS
-                if entry.state is not ItemState.READY or w[b + S_GEN] != entry.generation or (
-                    w[b + S_STATE] != READY
+                if (
+                    entry.state is not ItemState.READY
+                    or w[b + S_GEN] != entry.generation
+                    or (w[b + S_STATE] != READY)
                 ):
                     entry = None
             if entry is None:
@@ -200,8 +202,10 @@ class Pins(CatalogState):
                 )
             p = pn + r * PIN_WORDS
             if r >= records or w[p + P_COUNT]:  # past the records, or one in use
-                self._corrupt(f"the pin free list's head is record {r} of {records}"
-                              + ("" if r >= records else f", with a count of {w[p + P_COUNT]}"))
+                self._corrupt(
+                    f"the pin free list's head is record {r} of {records}"
+                    + ("" if r >= records else f", with a count of {w[p + P_COUNT]}")
+                )
             w[H_PIN_FREE] = w[p + P_NEXT]
             w[p + P_SLOT] = s
             w[p + P_PID] = pid

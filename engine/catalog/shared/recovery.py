@@ -476,7 +476,6 @@ class Recovery(CatalogState):
                     r = nxt
         return n
 
-
     def _recover(self) -> None:
         """Rebuild everything derived from the slot table (lock held).
 
