@@ -21,7 +21,7 @@ import time
 from .base.sizes import format_bytes
 from .catalog.shared.catalog import SharedCatalog
 from .catalog.shared.format import H_MAGIC, H_VERIFY_LEFT, MAGIC
-from .catalog.shared.recovery import VERIFY_SLICE_BYTES
+from .catalog.shared.verify import VERIFY_SLICE_BYTES
 
 log = logging.getLogger(__name__)
 

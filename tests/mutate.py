@@ -134,7 +134,8 @@ SHARED_CATALOG_MODULES = (
     "catalog/shared/catalog", "catalog/shared/format", "catalog/shared/lock",
     "catalog/shared/region",
     "catalog/shared/reads", "catalog/shared/pins", "catalog/shared/lru",
-    "catalog/shared/extents", "catalog/shared/recovery", "catalog/shared/check",
+    "catalog/shared/extents", "catalog/shared/recovery", "catalog/shared/verify",
+    "catalog/shared/check",
     "catalog/shared/robust_mutex",
 )  # fmt: skip
 SHARED_CATALOG_FILES = [

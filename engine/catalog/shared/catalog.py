@@ -22,22 +22,24 @@ are neither free nor lost, for recovery and ``check`` alike.
 The class is put together from one file per concept:
 
 =============================  ================================================
-``shared_catalog_format.py``   the region's word layout, ``meta_bytes``, entries
+``format.py``                  the region's word layout, ``meta_bytes``, entries
 ``robust_mutex.py``            the ctypes binding of the robust pthread mutex
-``shared_catalog_lock.py``     the lock protocol: ``_enter`` / ``_exit``
-``shared_catalog_region.py``   open, format, bind, boot check, close
-``shared_catalog_reads.py``    finding keys, snapshots, ``stats``
+``lock.py``                    the lock protocol: ``_enter`` / ``_exit``
+``region.py``                  open, format, bind, boot check, close
+``reads.py``                   finding keys, snapshots, ``stats``
 this file                      reserve / commit / abort / lookup / evict
-``shared_catalog_pins.py``     pin / unpin and their batches
-``shared_catalog_lru.py``      the eviction policy (LRU list, making room)
-``shared_catalog_extents.py``  the free-extent allocator
-``shared_catalog_recovery.py`` crash consistency: recover, reap, verify
-``shared_catalog_check.py``    every invariant, for tests
-``shared_catalog_native.c``    hits, pins, unpins of seen READY items in C
-``shared_catalog_native.py``   loading it (optional, layout checked) per object
+``pins.py``                    pin / unpin and their batches
+``lru.py``                     the eviction policy (LRU list, making room)
+``extents.py``                 the free-extent allocator
+``recovery.py``                crash consistency: recover, reap
+``verify.py``                  a warm start's verification against the arena's bytes
+``state.py``                   what the parts share, declared once, typed
+``check.py``                   every invariant, for tests
+``native.c``                   hits, pins, unpins of seen READY items in C
+``native.py``                  loading it (optional, layout checked) per object
 =============================  ================================================
 
-Plain Python on purpose: no torch import; numpy only in recovery and ``check``.
+Plain Python on purpose: no torch import; numpy only in recovery, verify and ``check``.
 The C paths are optional and answer only the usual case: whatever they do not
 answer, the Python methods do, writing the same words.
 """
@@ -117,6 +119,7 @@ from .pins import Pins
 from .reads import Reads
 from .recovery import Recovery
 from .region import CatalogRegion
+from .verify import Verify
 
 __all__ = [
     "DEFAULT_MAX_KEY_BYTES", "Layout", "SharedCatalog", "SharedEntry", "meta_bytes",
@@ -127,7 +130,7 @@ _WRITING, _READY = ItemState.WRITING, ItemState.READY
 
 
 class SharedCatalog(
-    CatalogRegion, Reads, Pins, Recovery, Check, LRUPolicy, ExtentAllocator, LockProtocol
+    CatalogRegion, Reads, Pins, Recovery, Verify, Check, LRUPolicy, ExtentAllocator, LockProtocol
 ):
     """The catalog of an arena, in a metadata region of the arena file itself
     (see :class:`~ecoffload.engine.catalog.shared.region.CatalogRegion` for the

@@ -23,6 +23,8 @@ from ..catalog import CatalogStats
 from .format import Layout, SharedEntry
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ._catalog_native import HitPath  # its stub (_catalog_native.pyi)
 
 
@@ -112,6 +114,7 @@ class CatalogState:
         # recovery.py
         def _reap(self) -> int: ...
         def _recover(self) -> None: ...
+        def _slot_table(self) -> np.ndarray: ...
 
         # catalog.py
         def _drop(self, s: int, *, evicted: bool) -> None: ...
