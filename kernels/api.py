@@ -38,9 +38,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Persistent-grid size. Defaults from the H200 prototype (bench/h200-baseline.md):
-    save 8 programs x 8 warps reached 51 GB/s and slowed concurrent matmuls 7%;
-    load 16 x 4 reached 49 GB/s (8 x 8 only 30). A program per row takes every SM."""
+    """Persistent-grid size. Defaults from the H200 prototype (its figures:
+    shared/bench/h200-baseline.md): the fewest programs and warps that come near the
+    PCIe limit in each direction while leaving the SMs to concurrent compute; a
+    program per row would take every SM."""
 
     num_programs: int
     num_warps: int
@@ -441,7 +442,8 @@ def _item_layout(
 def _byte_view_of(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous ``tensor`` as uint8 over the same memory: the launch's items base,
     of which only the address and device are read. One view, not a flat one: the
-    flattening costs a second torch call (~2 us of a 16-item step's ~15)."""
+    flattening costs a second torch call, a sizeable share of a small step's host
+    time (BENCHMARKS.md, "The save path's last cuts")."""
     try:
         return tensor.view(torch.uint8)  # the last dimension scaled by the element size
     except RuntimeError:  # a 0-d tensor, or a last dimension of size 1 with another stride

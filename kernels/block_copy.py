@@ -15,7 +15,7 @@ the Triton interpreter (``TRITON_INTERPRET=1``).
 
 Compiled variants: Triton would specialise on each pointer's 16-byte
 alignment (and on integer arguments: there are none), compiling new variants
-(~0.7 s each) mid-serving. Alignment is not specialised: the alignment the
+(each a noticeable stall) mid-serving. Alignment is not specialised: the alignment the
 kernel may assume is the plan's ``VEC`` (``tl.multiple_of``), derived from
 every absolute address.
 A variant is therefore exactly :class:`KernelVariant` (direction, width, tile,

@@ -1,8 +1,8 @@
 """The planner's C fast pass (``plan_native.c``): built at install time, loaded once per process.
 
-The copy planner's Python passes cost ~0.7 us of interpreter time per extent;
-``plan_native.c`` does the same work in a few ns per extent read from a step
-table's int64 arrays (~35 ns from Python tuples). It is the extension module
+The copy planner's Python passes cost interpreter time per extent; ``plan_native.c``
+does the same work without it, reading a step table's int64 arrays or Python tuples
+(BENCHMARKS.md, "Host cost of a step's copy"). It is the extension module
 ``ecoffload.kernels._plan_native``, compiled by ``pip install`` (``setup.py``;
 a wheel carries it built), so a serving host never runs a compiler, and
 nothing is written at run time.

@@ -36,13 +36,15 @@ interpreter never faults, so this is checked on addresses by the tests.
 Fast passes of one contract, and a reference. First choice, on every step:
 the C pass (``plan_native.c``, built at install time, loaded by
 :mod:`.native`): from a :class:`~.step_table.StepTable`'s int64 arrays
-(read through the buffer protocol, ~20 ns per extent) or from per-item
-tables of pairs (~35 ns per extent). Where it was not built (or
+(read through the buffer protocol) or from per-item tables of pairs, tens of
+nanoseconds per extent (BENCHMARKS.md, "Host cost of a step's copy"). Where it was
+not built (or
 ``ECOFFLOAD_NATIVE_PLAN=0``), the Python passes: a step table's arrays go
 to the numpy pass as they are; per-item tables by size, one test per extent
 for steps of a few extents (numpy's per-call overhead would dominate
 there), and the vectorised numpy pass for fragmented steps (thousands of
-extents), where ~0.5 us per extent would cost milliseconds. The reference is the plain loop, which
+extents), where interpreted work per extent would cost milliseconds. The reference is
+the plain loop, which
 checks everything in order. When a fast pass finds any fault it hands the
 step on, and the loop names the first fault precisely. Cost grows with
 extents, never with blocks.
