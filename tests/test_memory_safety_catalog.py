@@ -26,13 +26,18 @@ from ecoffload.engine.catalog.shared.format import (
     H_PIN_FREE,
     H_RECOVERIES,
     H_SLOT_FREE,
+    H_VERIFY_LEFT,
+    H_VERIFY_LEFT_BYTES,
     P_NEXT,
     PIN_WORDS,
+    S_BLOCKS,
     S_EXT,
     S_HASH,
     S_HNEXT,
     S_PIN_HEAD,
+    S_VERIFY,
     SLOT_WORDS,
+    UNVERIFIED,
 )
 
 DEADLINE_S = 10.0  # a fixed catalog answers in milliseconds; a loop never does
@@ -99,6 +104,27 @@ def extent_chain_cycle(c):
     c._i[c._en + e] = e
 
 
+def unverified_extent_chain_cycle(c):
+    """A warm start's UNVERIFIED item whose chain cycles and whose block count is huge:
+    the walk that collects its extents for the check (issue 31) must stop."""
+    b = words(c, "abcd")
+    c._w[b + S_VERIFY] = UNVERIFIED
+    c._w[b + S_BLOCKS] = 1 << 40
+    c._w[H_VERIFY_LEFT], c._w[H_VERIFY_LEFT_BYTES] = 1, 2 * B
+    extent_chain_cycle(c)
+
+
+def checked(c, call):
+    """``call`` on a catalog that knows where the data lies (one opened on an arena does;
+    this one is told: the file's first page, never read before the walk fails)."""
+
+    def op():
+        c._data_at = (0, 4096)
+        call()
+
+    return fresh(c, op)
+
+
 def hash_chain_cycle(c):
     b = words(c, "z")
     c._w[b + S_HNEXT] = slot(c, "z")
@@ -144,6 +170,10 @@ CASES = {  # damage, and the operations that must not follow it
         "entry": lambda c: fresh(c, lambda: c.entry("abcd")),
         "lookup": lambda c: fresh(c, lambda: c.lookup("abcd")),
         "evict": lambda c: lambda: c.evict("abcd"),
+    }),
+    "unverified-extent-chain-cycle": (unverified_extent_chain_cycle, {
+        "lookup": lambda c: checked(c, lambda: c.lookup("abcd")),
+        "verify-step": lambda c: checked(c, c.verify_step),  # grew a list without bound
     }),
     "hash-chain-cycle": (hash_chain_cycle, {
         "lookup-missing": lambda c: lambda: c.lookup(same_bucket(c, "z")),

@@ -43,7 +43,6 @@ from .format import (
     H_VERIFY_LEFT_BYTES,
     H_VERIFY_T0,
     READY,
-    S_BLOCKS,
     S_CRC,
     S_EXT,
     S_GEN,
@@ -287,11 +286,8 @@ class Verify(CatalogState):
 
     def _pending(self, s: int) -> tuple:
         """(slot, generation, extents, nbytes, CRC) of READY slot ``s`` (lock held)."""
-        w, i, b = self._w, self._i, self._sl + s * SLOT_WORDS
-        extents, e, hops = [], w[b + S_EXT], w[b + S_BLOCKS]
-        while e >= 0 and len(extents) < hops:
-            extents.append((e, i[self._ec + e]))
-            e = i[self._en + e]
+        w, b = self._w, self._sl + s * SLOT_WORDS
+        extents = self._extent_chain(s, b)  # bounded and checked: a corrupt chain raises
         return s, w[b + S_GEN], extents, w[b + S_NBYTES], w[b + S_CRC]
 
     def _data_view(self) -> mmap.mmap:
