@@ -146,6 +146,13 @@ class SchedulerSide:
             return True
         return self._local(identifier, admission=False)
 
+    def _admit_local(self, identifier: str) -> bool:
+        """The cluster tier's admission asking for one item: an item already promised or
+        loading this step is local (a second pin would never be released)."""
+        if identifier in self._promised or identifier in self._loads:
+            return True
+        return self._local(identifier)
+
     def _local(self, identifier: str, admission: bool = True) -> bool:
         """In this host's arena? A hit is pinned and promised to the step (as
         :meth:`has_cache_item` does; the cluster tier's admission asks the same way,
@@ -358,7 +365,7 @@ class SchedulerSide:
             and not getattr(request, "ec_transfer_params", None)
         ):
             try:
-                return self.cluster.admit(request, num_computed_tokens, self._local)
+                return self.cluster.admit(request, num_computed_tokens, self._admit_local)
             except Exception:  # the tier must never fail the scheduler: encode locally
                 log.exception("ecoffload: cluster lookup of %s failed; encoding locally",
                               request.request_id)  # fmt: skip

@@ -173,3 +173,17 @@ def test_master_gone_admits_at_once_and_encodes(hosts, master):
     assert time.monotonic() - t < 2.0
     assert schedule(bsched, request) == [False]  # encoded locally
     assert bsched.side.stats()["cluster_available"] == 0
+
+
+def test_an_item_admitted_twice_in_one_pass_is_pinned_once(hosts):
+    """Two requests with the same image admitted in one scheduling pass: the second
+    admission finds the first's promise, so the item holds one pin (a second would
+    never be released: only one load ships per key)."""
+    (_, _), (bsched, bworker) = hosts()
+    produce(bsched, bworker, "b0", IMAGES[:1])  # saved on this host: a local item
+    key, rows, _ = IMAGES[0]
+    first, second = (make_request(r, [(key, rows)]) for r in ("b1", "b2"))
+    pins = bsched.side.catalog.entry(key).pins  # any the producing step still holds
+    assert bsched.ensure_cache_available(first, 0)
+    assert bsched.ensure_cache_available(second, 0)
+    assert bsched.side.catalog.entry(key).pins == pins + 1
