@@ -165,7 +165,7 @@ def arena_path(name: str, directory: str = DEFAULT_DIR) -> str:
 
 def holders(path: str) -> list[Holder]:
     """Every live process that has ``path`` open or mapped (from ``/proc``), by pid; the
-    arena's janitor (:mod:`.janitor`, which only waits for the last holder) not included."""
+    arena's janitor (:mod:`.arena.janitor`, which only waits for the last holder) not included."""
     return [h for h in _openers(path) if not _is_janitor(h)]
 
 

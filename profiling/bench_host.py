@@ -2,7 +2,7 @@
 
     python -m ecoffload.profiling.bench_host [--repeat 200] [--json FILE]
 
-Real-path rows first (:mod:`.real_path_steps`): ``OffloadCache.save``/``load``
+Real-path rows first (:mod:`..testing.real_path_steps`): ``OffloadCache.save``/``load``
 steps, in-process and on the shared catalog, with the tables the catalog hands
 out; the planning of those same tables beside the frozen anchor; and the
 connector's scheduler hooks per step for 16 hits and 16 saves on the shared

@@ -2,7 +2,7 @@
 
     python -m ecoffload.profiling.bench_remote [--repeat 10]
 
-A producer process (:mod:`.remote_producer`) serves a 128 MiB arena of 64 KiB
+A producer process (:mod:`..testing.remote_producer`) serves a 128 MiB arena of 64 KiB
 blocks filled with seeded bytes (copied once into its export window, which is
 what NIXL reads); this process pulls items into its own arena
 with :meth:`ArenaPeer.read` (one READ per request, polled to completion, the

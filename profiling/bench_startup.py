@@ -139,7 +139,7 @@ def run_warm(size: int, item_bytes: int, block_bytes: int, directory: str) -> tu
     and median lock wait), seconds, for one warm restart of a freshly filled arena."""
     import multiprocessing as mp
 
-    from ..engine.arena import Arena
+    from ..engine.arena.arena import Arena
     from ..engine.shared_cache import open_catalog, open_shared_arena
 
     name = f"ecoffload-bench-warm-{os.getpid()}"

@@ -3,7 +3,7 @@
     python -m ecoffload.profiling.demo [--multiprocess]
     python -m ecoffload.profiling.demo --ttft [--vision siglip-base]
 
-Runs the scenario of :mod:`.vllm_scenario` twice on the embedded default (a
+Runs the scenario of :mod:`..testing.vllm_scenario` twice on the embedded default (a
 tiny random PaliGemma built locally; CPU vLLM here, CUDA vLLM on a GPU host):
 six distinct images while vLLM's own encoder cache keeps two, then the first
 two again. Prints what each run did: encoder runs, items served from the

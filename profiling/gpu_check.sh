@@ -139,7 +139,7 @@ else
     && tail -5 "$out/install.log" | tee -a "$out/gpu_check.log"
   pkg="$out/pythonpath/ecoffload"
   mkdir -p "$pkg"
-  for sub in kernels engine connector profiling; do ln -sfn "$repo/$sub" "$pkg/$sub"; done
+  for sub in kernels engine connector testing profiling tools; do ln -sfn "$repo/$sub" "$pkg/$sub"; done
   export PYTHONPATH="$out/pythonpath${PYTHONPATH:+:$PYTHONPATH}"
   if from_here; then
     install="PYTHONPATH fallback ($out/pythonpath)"

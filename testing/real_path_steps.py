@@ -1,4 +1,4 @@
-"""The steps users take, timed through their real entry points (for :mod:`.bench_host`).
+"""The steps users take, timed through their real entry points (for :mod:`..profiling.bench_host`).
 
 * :class:`CacheSteps`: ``OffloadCache.save`` (+ ``flush``) and ``load`` of one step,
   in-process or on the shared catalog, with the block tables the catalog hands

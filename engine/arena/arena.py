@@ -13,17 +13,17 @@ Life cycle::
 
 The concepts around it, a file each:
 
-* :mod:`.arena_format`: the file layout (header, layout key, name rules) and
+* :mod:`.format`: the file layout (header, layout key, name rules) and
   the checks an opener runs; no torch.
 * :mod:`.populate`: pre-faulting the data area (``background``, ``eager``,
   ``lazy``) and publishing the ready prefix.
-* :mod:`.arena_lifetime`: shared lifetime (:meth:`Arena.open_shared`: the name
+* :mod:`.lifetime`: shared lifetime (:meth:`Arena.open_shared`: the name
   lives while any process holds the file open), resuming a dead populator.
 * :mod:`.janitor`: the OFD byte locks and the process that removes the name
   once every holder is gone, however they ended.
-* :mod:`.arena_registration`: CUDA host registration following the ready
+* :mod:`.registration`: CUDA host registration following the ready
   prefix, the device alias.
-* :mod:`.liveness`: (pid, start time) owners.
+* :mod:`..base.liveness`: (pid, start time) owners.
 
 If the creator dies mid-populate its pid no longer runs, so the file is stale
 (:class:`ArenaStaleError`) and reclaimed by the next ``create_or_attach``.

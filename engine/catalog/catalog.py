@@ -42,7 +42,7 @@ class ItemState(enum.Enum):
     WRITING = "writing"
     READY = "ready"
     # Shared catalog only: READY, but its CRC-32 not checked since a warm start; a miss
-    # for lookup and pin until it is (shared_catalog_recovery.py).
+    # for lookup and pin until it is (catalog/shared/verify.py).
     UNVERIFIED = "unverified"
 
 

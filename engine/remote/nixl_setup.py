@@ -12,7 +12,7 @@ SIGSEGV at exit. :func:`load_nixl` therefore sets ``UCX_MODULES`` to
 where the operator has not set ``UCX_MODULES`` (theirs wins). The setting is
 process-wide and inherited by child processes: UCX loads its modules once.
 
-Kept apart from :mod:`.remote` (the peer and its transfers): this is the part an
+Kept apart from :mod:`.peer` (the peer and its transfers): this is the part an
 operator reads to know which interfaces and ports a peer opens (README "Security").
 """
 

@@ -52,7 +52,7 @@ DEFAULT_MAX_KEY_BYTES = 256
 MUTEX_AT = 256  # byte offset of the mutex: a 64-byte slot, 64-byte aligned (words 32..39)
 MUTEX_SLOT = 64
 H_BOOT = 40  # two words: the boot id the mutex was initialised in
-# The background verification of a warm start (shared_catalog_recovery.py): READY items
+# The background verification of a warm start (verify.py): READY items
 # still unverified and their bytes (derived: recovery recounts them), what the warm start
 # marked (items, bytes), items dropped for a wrong CRC, the next slot to check, and
 # when it began (time.time_ns()).

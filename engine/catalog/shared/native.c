@@ -11,7 +11,7 @@
  *   EOWNERDEAD the mutex's last holder died: this thread holds the mutex, already
  *              marked consistent (at once: unlocking before that would make it
  *              unrecoverable for every process); the caller counts the death,
- *              releases the mutex and goes the Python way (shared_catalog_lock.py);
+ *              releases the mutex and goes the Python way (lock.py);
  *   another errno of pthread_mutex_trylock (ENOTRECOVERABLE...): the mutex is not
  *              held; the caller raises as the Python way would.
  * Never while fault_points.hook is set (the crash tests inject faults between the
@@ -31,8 +31,8 @@
  *   counters: hits, pins, unpins (keys), slow (calls answered 0)
  *
  * The module exports LAYOUT, the word offsets it was compiled with; the loader
- * (shared_catalog_native.py) refuses the module unless they equal
- * shared_catalog_format.py's. Every index read from the region is bounded before
+ * (native.py) refuses the module unless they equal
+ * format.py's. Every index read from the region is bounded before
  * it is used; an out-of-range one answers "slow" (the Python path then meets it).
  *
  * Built at install time as ecoffload.engine.catalog.shared._catalog_native (setup.py, optional).
@@ -44,7 +44,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
-/* shared_catalog_format.py's layout (checked against it by the loader: LAYOUT). */
+/* format.py's layout (checked against it by the loader: LAYOUT). */
 enum { H_DIRTY = 9, H_TICK = 11, H_LRU_HEAD = 13, H_LRU_TAIL = 14, H_PIN_FREE = 16,
        H_EVICTABLE = 18, H_HITS = 23 };
 enum { S_STATE = 0, S_GEN = 1, S_PREV = 2, S_NEXT = 3, S_TICK = 4, S_PINS = 5, S_PIN_HEAD = 6,

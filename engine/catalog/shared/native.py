@@ -12,7 +12,7 @@ It is never used while ``fault_points.hook`` is set.
 
 The module exports the word offsets it was compiled with (``LAYOUT``); it is
 refused (logged once, the Python methods run) unless they equal
-:mod:`.shared_catalog_format`'s, so the layout has one source of truth.
+:mod:`.format`'s, so the layout has one source of truth.
 
 Built at install time (``setup.py``, optional: without a compiler the install
 warns and the catalog runs its Python methods, which write the same words).
@@ -76,7 +76,7 @@ def _load() -> ModuleType | None:
     if wrong:
         log.warning(
             "ecoffload: shared catalog hits stay in Python: %s was built for another layout "
-            "than shared_catalog_format.py (name: (built, source) %s); reinstall ecoffload "
+            "than engine/catalog/shared/format.py (name: (built, source) %s); reinstall ecoffload "
             "(`pip install -e .` again after editing either file)", mod.__file__, wrong,
         )  # fmt: skip
         return None

@@ -13,7 +13,7 @@ reservation (generation) still UNVERIFIED: VERIFIED (served from then on),
 or dropped (a pinned one: FAILED, never served, evicted once unpinned).
 Slices of items are taken from a shared cursor (``H_VERIFY_CURSOR``) by
 every process that opened the arena while items are left (a thread each,
-:mod:`.background_verify`); a lookup of an UNVERIFIED item checks it at once
+:mod:`...background_verify`); a lookup of an UNVERIFIED item checks it at once
 (:meth:`verify_now`). A verifier that dies leaves its slice UNVERIFIED: the
 cursor starts over while items are left, so the others (or the next opener)
 check it. The marks are the truth; the counts left (``H_VERIFY_LEFT``,
