@@ -408,3 +408,21 @@ def test_open_shared_s_defaults_open_a_one_block_arena(arena_dir, monkeypatch):
     with Arena.open_shared("d", directory=arena_dir, block_bytes=B, num_blocks=1,
                            layout_key=KEY) as a:  # fmt: skip
         assert a.num_blocks == 1 and not a.registered and a.wait_ready(10)
+
+
+def test_an_opener_giving_num_blocks_joins_an_arena_larger_than_the_free_space(
+    arena_dir, monkeypatch
+):
+    """Every process of an instance opens the shared arena with its size (the connector
+    does): once the arena takes most of /dev/shm, the room check must not refuse the
+    processes that only join it. A creator without room is refused, leaving no file."""
+    first = open_shared(arena_dir)
+    room = os.statvfs(arena_dir)
+    tight = os.statvfs_result((*room[:4], 0, *room[5:]))  # f_bavail: no block free
+    monkeypatch.setattr(os, "statvfs", lambda path: tight)
+    with open_shared(arena_dir) as joiner:
+        assert not joiner.created and joiner.nonce == first.nonce
+    with pytest.raises(ArenaError, match="arena needs .* free: give the arena fewer bytes"):
+        open_shared(arena_dir, name="other")
+    assert not os.path.exists(os.path.join(arena_dir, "other"))
+    first.close()

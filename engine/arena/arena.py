@@ -206,7 +206,8 @@ class Arena(SharedLifetime, RegisteredArena):
         path = os.path.join(directory, name)
         data_offset = HEADER_BYTES + -(-meta_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         total = data_offset + block_bytes * num_blocks
-        check_free_space(directory, total)
+        if not os.path.isdir(directory):
+            check_free_space(directory, total)  # names the missing directory
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
@@ -216,6 +217,9 @@ class Arena(SharedLifetime, RegisteredArena):
             ) from None
         mm = None
         try:
+            # Once the name is ours (empty: no room taken yet): an existing arena's opener
+            # joins it above, needing no room for a second copy of it.
+            check_free_space(directory, total)
             os.fchmod(fd, 0o600)  # the umask may only narrow it; be explicit anyway
             if lifetime:  # held until close; a joiner that opens it now waits for the header
                 ofd_lock(fd, fcntl.F_RDLCK, HOLDERS_BYTE, wait=True)
