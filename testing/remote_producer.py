@@ -1,4 +1,4 @@
-"""A producer process for tests/test_remote.py and :mod:`..profiling.bench_remote`.
+"""A producer process for tests/engine/remote/test_remote.py and :mod:`..profiling.bench_remote`.
 
 Creates an arena (its name unlinked at once: a SIGKILL leaves no file), fills
 its data area with seeded bytes (``fill_arena``), copies the whole data area

@@ -20,8 +20,15 @@ import pytest
 # only ever be imported as ecoffload.*; `python -m pytest` puts the current
 # directory on sys.path, where e.g. transformers' probe for the HF `kernels`
 # package would find ours. Importing from the installed package only.
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPO]
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_TESTS)
+# The same holds for tests/ itself (pytest puts this file's folder first on sys.path):
+# its folders mirror the product's (tests/kernels/, tests/engine/...). The tests' shared
+# helpers are in tests/support/, imported by their own names (`from copy_gate import ...`).
+_SUPPORT = os.path.join(_TESTS, "support")
+sys.path[:] = [_SUPPORT] + [
+    p for p in sys.path if os.path.abspath(p or os.curdir) not in (_REPO, _TESTS, _SUPPORT)
+]
 
 try:
     import torch

@@ -31,69 +31,75 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("kernels", "engine", "connector", "testing", "profiling", "tools")
+# the test folders of the arena and the shared catalog (tests/ mirrors the product)
+ARENA_TESTS = "tests/engine/arena"
+SHARED_TESTS = "tests/engine/catalog/shared"
 CONNECTOR_TESTS = [
-    "tests/test_connector_contract.py",
-    "tests/test_connector_inflight.py",
-    "tests/test_connector_reports.py",
-    "tests/test_connector_nixl.py",
-    "tests/test_connector_runners.py",
+    "tests/connector/test_connector_contract.py",
+    "tests/connector/test_connector_inflight.py",
+    "tests/connector/test_connector_reports.py",
+    "tests/connector/test_connector_nixl.py",
+    "tests/connector/test_connector_runners.py",
     # the scheduler while the arena is still populating (reservations wait for ready blocks)
-    "tests/test_arena_startup.py::test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness",
+    f"{ARENA_TESTS}/test_arena_startup.py::test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness",
 ]
 ARENA_MODULES = ("arena/arena", "arena/format", "arena/lifetime", "arena/registration",
                  "arena/populate", "arena/janitor")  # fmt: skip
 ARENA_FILES = [
-    "tests/test_arena_format.py",
-    "tests/test_arena_lifetime.py",
-    "tests/test_populate.py",
-    "tests/test_arena_registration.py",
-    "tests/test_arena.py",
-    "tests/test_arena_shared.py",
-    "tests/test_arena_startup.py",
-    "tests/test_cuda_host.py",
+    f"{ARENA_TESTS}/test_arena_format.py",
+    f"{ARENA_TESTS}/test_arena_lifetime.py",
+    f"{ARENA_TESTS}/test_populate.py",
+    f"{ARENA_TESTS}/test_arena_registration.py",
+    f"{ARENA_TESTS}/test_arena.py",
+    f"{ARENA_TESTS}/test_arena_shared.py",
+    f"{ARENA_TESTS}/test_arena_startup.py",
+    f"{ARENA_TESTS}/test_cuda_host.py",
 ]
 # The arena's tests of a second or more (processes spawned, a slow populate, a fuzzer):
 # as for the shared catalog below, each stays only in the lists of the modules it is
 # there for (TESTING.md, "Mutation testing"; times under ECOFFLOAD_MUTATION=1 CI=1).
 ARENA_SLOW: dict[str, tuple[str, ...]] = {
     # the connector's scheduler while the arena populates (20 s): the connectors' list has it
-    "tests/test_arena_startup.py::"
+    f"{ARENA_TESTS}/test_arena_startup.py::"
     "test_scheduler_skips_saves_until_blocks_are_ready_and_reports_readiness": (),
-    "tests/test_arena_shared.py::"
+    f"{ARENA_TESTS}/test_arena_shared.py::"
     "test_a_later_instance_joins_the_file_the_creator_left_to_another": (
         "arena/lifetime",),  # 12 s
-    "tests/test_arena_shared.py::test_a_persistent_file_outlives_its_holders_and_is_warm_started": (
+    f"{ARENA_TESTS}/test_arena_shared.py::"
+    "test_a_persistent_file_outlives_its_holders_and_is_warm_started": (
         "arena/lifetime",),  # 9 s
-    "tests/test_arena_shared.py::"
+    f"{ARENA_TESTS}/test_arena_shared.py::"
     "test_open_shared_refuses_an_arena_of_the_other_lifetime_and_attach_never_reclaims": (
         "arena/lifetime",),  # 9 s
-    "tests/test_arena.py::test_one_catalog_owner_per_arena": ("arena/lifetime",),  # 8 s
-    "tests/test_arena_shared.py::"
+    f"{ARENA_TESTS}/test_arena.py::test_one_catalog_owner_per_arena": ("arena/lifetime",),  # 8 s
+    f"{ARENA_TESTS}/test_arena_shared.py::"
     "test_holders_that_all_die_leave_nothing_the_janitor_removes_the_name": (
         "arena/lifetime",),  # 6 s
-    "tests/test_arena.py::test_second_process_attaches_writes_and_is_read_back": (
+    f"{ARENA_TESTS}/test_arena.py::test_second_process_attaches_writes_and_is_read_back": (
         "arena/arena",),  # 6 s
-    "tests/test_arena.py::test_attach_waits_for_a_creator_that_starts_later": (
+    f"{ARENA_TESTS}/test_arena.py::test_attach_waits_for_a_creator_that_starts_later": (
         "arena/arena", "arena/format"),  # 6 s
-    "tests/test_arena_shared.py::"
+    f"{ARENA_TESTS}/test_arena_shared.py::"
     "test_a_persistent_arena_whose_populator_died_alone_resumes_at_warm_start": (
         "arena/lifetime", "arena/populate"),  # 5 s
-    "tests/test_arena_startup.py::"
+    f"{ARENA_TESTS}/test_arena_startup.py::"
     "test_creator_killed_mid_populate_leaves_a_stale_file_that_is_reclaimed": (
         "arena/arena", "arena/format"),  # 4 s
-    "tests/test_arena.py::test_stale_arena_of_a_dead_creator_is_refused_then_reclaimed": (
+    f"{ARENA_TESTS}/test_arena.py::test_stale_arena_of_a_dead_creator_is_refused_then_reclaimed": (
         "arena/arena", "arena/format"),  # 4 s
-    "tests/test_arena_shared.py::test_a_file_left_with_its_janitor_killed_too_is_reclaimed": (
+    f"{ARENA_TESTS}/test_arena_shared.py::"
+    "test_a_file_left_with_its_janitor_killed_too_is_reclaimed": (
         "arena/lifetime",),  # 4 s
-    "tests/test_arena_shared.py::test_a_dead_populator_is_resumed_by_the_next_opener": (
+    f"{ARENA_TESTS}/test_arena_shared.py::test_a_dead_populator_is_resumed_by_the_next_opener": (
         "arena/lifetime", "arena/populate"),  # 4 s
-    "tests/test_arena_startup.py::test_registration_follows_the_ready_prefix_chunk_by_chunk": (
+    f"{ARENA_TESTS}/test_arena_startup.py::"
+    "test_registration_follows_the_ready_prefix_chunk_by_chunk": (
         "arena/registration",),  # 1.6 s
-    "tests/test_arena_startup.py::test_cache_saves_only_into_ready_blocks": (
+    f"{ARENA_TESTS}/test_arena_startup.py::test_cache_saves_only_into_ready_blocks": (
         "arena/populate", "arena/arena"),  # 1.2 s
 }  # fmt: skip
 # random headers against attach's checks (3 s): the header format's and attach's own
-ARENA_FUZZ = "tests/test_fuzz_parsers.py::test_any_arena_header_attaches_or_raises_arena_error"
+ARENA_FUZZ = "tests/fuzz/test_fuzz_parsers.py::test_any_arena_header_attaches_or_raises_arena_error"
 
 
 def arena_tests(name: str, files: list[str] = ARENA_FILES) -> list[str]:
@@ -112,7 +118,7 @@ def arena_tests(name: str, files: list[str] = ARENA_FILES) -> list[str]:
 # there and is measured by APPLIED below.
 JANITOR_TESTS = arena_tests(
     "arena/janitor",
-    ["tests/test_janitor.py",
+    [f"{ARENA_TESTS}/test_janitor.py",
      *(f for f in ARENA_FILES if not f.endswith(("arena_shared.py", "arena_lifetime.py")))],
 )  # fmt: skip
 
@@ -124,7 +130,11 @@ JANITOR_TESTS = arena_tests(
 APPLIED: dict[str, tuple[tuple[str, ...], list[str]]] = {
     "engine/arena/janitor.py": (
         ("start_janitor",),
-        ["tests/test_janitor.py", "tests/test_arena_lifetime.py", "tests/test_arena_shared.py"],
+        [
+            f"{ARENA_TESTS}/test_janitor.py",
+            f"{ARENA_TESTS}/test_arena_lifetime.py",
+            f"{ARENA_TESTS}/test_arena_shared.py",
+        ],
     ),
 }
 APPLIED_TIMEOUT = 300  # seconds for one mutant's tests (a clean run takes ~30 s here)
@@ -139,32 +149,38 @@ SHARED_CATALOG_MODULES = (
     "catalog/shared/robust_mutex",
 )  # fmt: skip
 SHARED_CATALOG_FILES = [
-    "tests/test_catalog.py",
-    "tests/test_shared_catalog.py",
-    "tests/test_shared_catalog_lock.py",
-    "tests/test_shared_catalog_pins.py",
-    "tests/test_shared_catalog_lru.py",
-    "tests/test_shared_catalog_extents.py",
-    "tests/test_shared_catalog_check.py",  # each invariant of check() broken by hand
-    "tests/test_shared_catalog_format.py",  # the layout's offsets, sizes, shape and dtype words
-    "tests/test_shared_catalog_recovery.py",  # what the rebuild keeps of each kind of damage
-    "tests/test_shared_catalog_reads.py",  # keys from slots, one entry an item, clean reads
-    "tests/test_shared_catalog_stateful.py",  # 30 examples under ECOFFLOAD_MUTATION (150 in CI)
+    "tests/engine/catalog/test_catalog.py",
+    f"{SHARED_TESTS}/test_shared_catalog.py",
+    f"{SHARED_TESTS}/test_shared_catalog_lock.py",
+    f"{SHARED_TESTS}/test_shared_catalog_pins.py",
+    f"{SHARED_TESTS}/test_shared_catalog_lru.py",
+    f"{SHARED_TESTS}/test_shared_catalog_extents.py",
+    f"{SHARED_TESTS}/test_shared_catalog_check.py",  # each invariant of check() broken by hand
+    # the layout's offsets, sizes, shape and dtype words
+    f"{SHARED_TESTS}/test_shared_catalog_format.py",
+    # what the rebuild keeps of each kind of damage
+    f"{SHARED_TESTS}/test_shared_catalog_recovery.py",
+    # keys from slots, one entry an item, clean reads
+    f"{SHARED_TESTS}/test_shared_catalog_reads.py",
+    # 30 examples under ECOFFLOAD_MUTATION (150 in CI)
+    f"{SHARED_TESTS}/test_shared_catalog_stateful.py",
 ]
 # The shared catalog's multi-second tests (other processes started, or a timed wait):
 # mutmut runs every test that calls a mutated function until one fails, so a survivor
 # costs them all. Each stays in the lists of the modules named here, whose mutants it
 # is there for; the others deselect it (TESTING.md, "Mutation testing").
 SHARED_CATALOG_SLOW: dict[str, tuple[str, ...]] = {
-    "tests/test_shared_catalog.py::test_reserve_write_commit_and_lookup_in_three_processes": (),
-    "tests/test_shared_catalog.py::test_entries_name_the_process_that_produced_them": (
+    f"{SHARED_TESTS}/test_shared_catalog.py::"
+    "test_reserve_write_commit_and_lookup_in_three_processes": (),
+    f"{SHARED_TESTS}/test_shared_catalog.py::test_entries_name_the_process_that_produced_them": (
         "catalog/shared/reads",),
-    "tests/test_shared_catalog.py::test_dead_process_reservations_and_pins_are_released": (
+    f"{SHARED_TESTS}/test_shared_catalog.py::"
+    "test_dead_process_reservations_and_pins_are_released": (
         "catalog/shared/recovery",),
-    "tests/test_shared_catalog_lock.py::"
+    f"{SHARED_TESTS}/test_shared_catalog_lock.py::"
     "test_a_persistent_arena_whose_holder_died_holding_the_lock_is_warm_started": (
         "catalog/shared/lock", "catalog/shared/recovery", "catalog/shared/robust_mutex"),
-    "tests/test_shared_catalog_lock.py::"
+    f"{SHARED_TESTS}/test_shared_catalog_lock.py::"
     "test_a_long_wait_for_the_lock_sleeps_in_slices_and_warns_once_naming_the_file": (
         "catalog/shared/lock",),
 }  # fmt: skip
@@ -179,39 +195,39 @@ def shared_catalog_tests(name: str) -> list[str]:
 # module -> the fast tests that exercise it
 MODULES: dict[str, list[str]] = {
     "kernels/plan.py": [
-        "tests/test_plan.py",
-        "tests/test_plan_alignment.py",
-        "tests/test_plan_programs.py",
-        "tests/test_plan_vectorised.py",
-        "tests/test_plan_small.py",
-        "tests/test_plan_native.py",
-        "tests/test_dma_split.py",
-        "tests/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
-        "tests/test_block_copy.py",
+        "tests/kernels/test_plan.py",
+        "tests/kernels/test_plan_alignment.py",
+        "tests/kernels/test_plan_programs.py",
+        "tests/kernels/test_plan_vectorised.py",
+        "tests/kernels/test_plan_small.py",
+        "tests/kernels/test_plan_native.py",
+        "tests/kernels/test_dma_split.py",
+        "tests/fuzz/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
+        "tests/kernels/test_block_copy.py",
     ],
     "kernels/native.py": [
-        "tests/test_plan_native.py",
-        "tests/test_kernel_variants.py",
+        "tests/kernels/test_plan_native.py",
+        "tests/kernels/test_kernel_variants.py",
     ],
     "engine/catalog/allocator.py": [
-        "tests/test_allocator.py",
-        "tests/test_catalog.py",
-        "tests/test_catalog_stateful.py",
+        "tests/engine/catalog/test_allocator.py",
+        "tests/engine/catalog/test_catalog.py",
+        "tests/engine/catalog/test_catalog_stateful.py",
     ],
     "engine/catalog/catalog.py": [
-        "tests/test_catalog.py",
-        "tests/test_catalog_stateful.py",
-        "tests/test_cache.py",
+        "tests/engine/catalog/test_catalog.py",
+        "tests/engine/catalog/test_catalog_stateful.py",
+        "tests/engine/test_cache.py",
     ],
     "engine/transfer.py": [
-        "tests/test_transfer_streams.py",  # the CUDA branch, against a recording torch.cuda
-        "tests/test_cache.py",
-        "tests/test_faults.py::test_cache_writer_killed_mid_copy_never_serves_the_item",
-        "tests/test_faults.py::test_writer_killed_mid_save_never_exposes_the_item",
+        "tests/engine/test_transfer_streams.py",  # the CUDA branch, against a recording torch.cuda
+        "tests/engine/test_cache.py",
+        "tests/engine/test_faults.py::test_cache_writer_killed_mid_copy_never_serves_the_item",
+        "tests/engine/test_faults.py::test_writer_killed_mid_save_never_exposes_the_item",
         # the per-item host fallback of a partly registered arena, and warm-up at creation
-        "tests/test_arena_startup.py::test_mover_copies_unregistered_blocks_through_host_memory",
-        "tests/test_arena_startup.py::test_no_device_alias_means_host_copies_and_one_warning",
-        "tests/test_kernel_variants.py::test_a_cuda_mover_warms_up_when_it_is_created",
+        f"{ARENA_TESTS}/test_arena_startup.py::test_mover_copies_unregistered_blocks_through_host_memory",
+        f"{ARENA_TESTS}/test_arena_startup.py::test_no_device_alias_means_host_copies_and_one_warning",
+        "tests/kernels/test_kernel_variants.py::test_a_cuda_mover_warms_up_when_it_is_created",
     ],
     "connector/scheduler_side.py": CONNECTOR_TESTS,
     "connector/worker_side.py": CONNECTOR_TESTS,
@@ -221,25 +237,28 @@ MODULES: dict[str, list[str]] = {
     **{f"engine/{name}.py": shared_catalog_tests(name) for name in SHARED_CATALOG_MODULES},
     # opening a region: its own tests (4 s: descriptors counted after gc), then the list
     "engine/catalog/shared/region.py": [
-        "tests/test_shared_catalog_region.py",
+        f"{SHARED_TESTS}/test_shared_catalog_region.py",
         *shared_catalog_tests("catalog/shared/region"),
     ],
     # the binding, made once at import (no mutant of it runs otherwise), then the locking
     "engine/catalog/shared/robust_mutex.py": [
-        "tests/test_robust_mutex.py",
+        f"{SHARED_TESTS}/test_robust_mutex.py",
         *shared_catalog_tests("catalog/shared/robust_mutex"),
     ],
     # owners' liveness: its own tests, and the shared catalog dropping a dead process's pins
     "engine/base/liveness.py": [
-        "tests/test_liveness.py",
-        "tests/test_shared_catalog.py::test_dead_process_reservations_and_pins_are_released",
+        "tests/engine/base/test_liveness.py",
+        f"{SHARED_TESTS}/test_shared_catalog.py::test_dead_process_reservations_and_pins_are_released",
     ],
     "engine/base/items.py": [
-        "tests/test_items.py",
-        "tests/test_catalog.py",
-        "tests/test_integrity.py",
+        "tests/engine/base/test_items.py",
+        "tests/engine/catalog/test_catalog.py",
+        "tests/engine/test_integrity.py",
     ],
-    "engine/shared_cache.py": ["tests/test_cache.py", "tests/test_connector_contract.py"],
+    "engine/shared_cache.py": [
+        "tests/engine/test_cache.py",
+        "tests/connector/test_connector_contract.py",
+    ],
 }
 # mutmut stops a mutant's tests after (t + constant) * multiplier seconds of wall time
 # (and twice that of CPU), t the listed tests' time in its stats run: 15 * (t + 1) by

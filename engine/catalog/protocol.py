@@ -24,7 +24,7 @@ catalog raise them itself from the arena's populate progress. Misuse (unknown
 key, wrong state, unbalanced unpin, impossible size) raises a specific
 :class:`~ecoffload.engine.base.errors.CatalogError` and changes nothing.
 
-``tests/test_catalog.py`` runs this contract against both implementations and
+``tests/engine/catalog/test_catalog.py`` runs this contract against both implementations and
 checks that their signatures accept every call the protocol allows.
 """
 

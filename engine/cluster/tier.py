@@ -28,7 +28,7 @@ hash (model, dtype), so other models never meet. Values: :mod:`.value`.
 
 Why the arena is not registered with the store client: a registered buffer is
 published in the client's segment descriptor and Mooncake's TCP transport
-writes any peer's bytes into it, unauthenticated (tests/test_cluster_tier.py
+writes any peer's bytes into it, unauthenticated (tests/engine/cluster/test_cluster_tier.py
 shows a stranger doing so). Over TCP a get lands in unregistered memory and a
 put reads from it, so ecoffload registers nothing: the values' MAC is checked
 on the arena's own copy, which nobody else can write.

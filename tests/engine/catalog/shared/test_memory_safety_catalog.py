@@ -1,0 +1,227 @@
+"""A corrupt word in the shared catalog is never followed: no loop under the mutex, no write
+outside the structure walked.
+
+Each case damages one word of a healthy catalog with its dirty flag clear (a stray
+write, or a writer's bug: nothing tells the next locker to rebuild), then runs one
+operation in a forked child, through the C paths or the Python ones, with a
+deadline: a child still running after it is killed and the test fails (a loop
+under the process-shared mutex would block every process of the host). The
+operation must raise CatalogCorruptError, having rebuilt the catalog, whose
+check passes after.
+"""
+
+import zlib
+
+import pytest
+from catalogs import B, open_shared
+from deadline import in_child
+
+from ecoffload.engine.base.errors import CatalogCorruptError, CatalogError
+from ecoffload.engine.catalog.shared import native as shared_catalog_native
+from ecoffload.engine.catalog.shared.catalog import SharedCatalog
+from ecoffload.engine.catalog.shared.format import (
+    H_CLASSES,
+    H_DIRTY,
+    H_LRU_TAIL,
+    H_PIN_FREE,
+    H_RECOVERIES,
+    H_SLOT_FREE,
+    H_VERIFY_LEFT,
+    H_VERIFY_LEFT_BYTES,
+    P_NEXT,
+    PIN_WORDS,
+    S_BLOCKS,
+    S_EXT,
+    S_HASH,
+    S_HNEXT,
+    S_PIN_HEAD,
+    S_VERIFY,
+    SLOT_WORDS,
+    UNVERIFIED,
+)
+
+DEADLINE_S = 10.0  # a fixed catalog answers in milliseconds; a loop never does
+MAX_ITEMS, MAX_PINS, BLOCKS = 8, 4, 16
+
+
+def healthy(path, native: bool) -> SharedCatalog:
+    """Three READY items (``b`` pinned by this process), one WRITING, 9 blocks free."""
+    c = open_shared(path, BLOCKS, max_key_bytes=4, max_items=MAX_ITEMS, max_pins=MAX_PINS)
+    for key, blocks in (("abcd", 2), ("b", 3), ("w", 1), ("z", 1)):
+        c.reserve(key, blocks * B)
+    for key in ("abcd", "b", "z"):
+        c.commit(key)
+    c.pin("b")
+    c.check()
+    if not native:
+        c._fast = None  # the Python paths alone
+    elif c._fast is None:
+        pytest.skip("the shared catalog's C paths are not built on this host")
+    return c
+
+
+def slot(c: SharedCatalog, key: str) -> int:
+    return c.entry(key).slot
+
+
+def words(c: SharedCatalog, key: str) -> int:
+    return c._sl + slot(c, key) * SLOT_WORDS
+
+
+def same_bucket(c: SharedCatalog, key: str) -> str:
+    """A key not in the catalog whose hash chain is ``key``'s."""
+    want = zlib.crc32(key.encode()) & c._hmask
+    return next(
+        k for k in (f"m{i}" for i in range(10_000)) if zlib.crc32(k.encode()) & c._hmask == want
+    )
+
+
+def in_child_with_deadline(op) -> tuple[str, str]:
+    """(outcome, message) of ``op()`` run in a forked child (tests/support/deadline.py):
+    "returned", the name of the error it raised, or "hung" (killed at the deadline)."""
+
+    def run() -> str:
+        try:
+            op()
+        except Exception as e:
+            return f"{type(e).__name__}\n{e}"
+        return "returned\n"
+
+    report = in_child(run, DEADLINE_S)
+    if report == "killed":
+        return "hung", f"still running after {DEADLINE_S} s (killed)"
+    outcome, _, message = report.partition("\n")
+    return outcome, message
+
+
+def pin_list_cycle(c):
+    r = c._w[words(c, "b") + S_PIN_HEAD]  # this process's record: the only one
+    c._w[c._pn + r * PIN_WORDS + P_NEXT] = r
+
+
+def extent_chain_cycle(c):
+    e = c._w[words(c, "abcd") + S_EXT]
+    c._i[c._en + e] = e
+
+
+def unverified_extent_chain_cycle(c):
+    """A warm start's UNVERIFIED item whose chain cycles and whose block count is huge:
+    the walk that collects its extents for the check (issue 31) must stop."""
+    b = words(c, "abcd")
+    c._w[b + S_VERIFY] = UNVERIFIED
+    c._w[b + S_BLOCKS] = 1 << 40
+    c._w[H_VERIFY_LEFT], c._w[H_VERIFY_LEFT_BYTES] = 1, 2 * B
+    extent_chain_cycle(c)
+
+
+def checked(c, call):
+    """``call`` on a catalog that knows where the data lies (one opened on an arena does;
+    this one is told: the file's first page, never read before the walk fails)."""
+
+    def op():
+        c._data_at = (0, 4096)
+        call()
+
+    return fresh(c, op)
+
+
+def hash_chain_cycle(c):
+    b = words(c, "z")
+    c._w[b + S_HNEXT] = slot(c, "z")
+
+
+def fresh(c, call):
+    """``call`` as a process that has seen no entry makes it (the child's copy of this
+    object forgets what the parent saw)."""
+
+    def op():
+        c._seen.clear()
+        call()
+
+    return op
+
+
+CASES = {  # damage, and the operations that must not follow it
+    "pin-list-cycle": (pin_list_cycle, {
+        "pin": lambda c: fresh(c, lambda: c.pin("b")),
+        "unpin": lambda c: fresh(c, lambda: c.unpin("b")),
+        "lookup-pin": lambda c: fresh(c, lambda: c.lookup("b", pin=True)),
+    }),
+    "pin-free-list-past-the-records": (
+        lambda c: c._w.__setitem__(H_PIN_FREE, MAX_PINS + 2),
+        {"pin": lambda c: fresh(c, lambda: c.pin("z"))},
+    ),
+    "slot-free-list-past-the-table": (
+        lambda c: c._w.__setitem__(H_SLOT_FREE, MAX_ITEMS + 2),
+        {"reserve": lambda c: lambda: c.reserve("new", B)},
+    ),
+    "free-extent-class-past-the-blocks": (
+        lambda c: c._w.__setitem__(H_CLASSES + 3, BLOCKS + 100),  # 9 free blocks: class 3
+        {"reserve": lambda c: lambda: c.reserve("new", B)},
+    ),
+    "lru-tail-past-the-table": (
+        lambda c: c._w.__setitem__(H_LRU_TAIL, MAX_ITEMS + 3),
+        {
+            "lookup": lambda c: fresh(c, lambda: c.lookup("abcd")),
+            "commit": lambda c: lambda: c.commit("w"),
+        },
+    ),
+    "extent-chain-cycle": (extent_chain_cycle, {
+        "entry": lambda c: fresh(c, lambda: c.entry("abcd")),
+        "lookup": lambda c: fresh(c, lambda: c.lookup("abcd")),
+        "evict": lambda c: lambda: c.evict("abcd"),
+    }),
+    "unverified-extent-chain-cycle": (unverified_extent_chain_cycle, {
+        "lookup": lambda c: checked(c, lambda: c.lookup("abcd")),
+        "verify-step": lambda c: checked(c, c.verify_step),  # grew a list without bound
+    }),
+    "hash-chain-cycle": (hash_chain_cycle, {
+        "lookup-missing": lambda c: lambda: c.lookup(same_bucket(c, "z")),
+        "reserve-same-bucket": lambda c: lambda: c.reserve(same_bucket(c, "z"), B),
+    }),
+}  # fmt: skip
+RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-paths", "python"])
+@pytest.mark.parametrize(("case", "op"), RUNS, ids=[f"{c}-{o}" for c, o in RUNS])
+def test_a_corrupt_word_is_refused_within_the_deadline_and_rebuilt(tmp_path, case, op, native):
+    c = healthy(tmp_path / "c", native)
+    damage, ops = CASES[case]
+    damage(c)
+    assert c._w[H_DIRTY] == 0  # nothing tells a locker to rebuild
+    recoveries = c._w[H_RECOVERIES]
+    outcome, message = in_child_with_deadline(ops[op](c))
+    assert outcome == "CatalogCorruptError", message
+    assert "rebuilt from its slot table" in message
+    assert c._w[H_RECOVERIES] == recoveries + 1
+    c.check()  # consistent again, dirty clear, nothing lost
+    assert c.state("b") is not None and "b" in c  # the live pin kept it
+    c.close()
+
+
+def test_a_corrupt_error_is_a_catalog_error_and_the_operation_can_be_retried(tmp_path):
+    c = healthy(tmp_path / "c", native=False)
+    c._w[H_SLOT_FREE] = MAX_ITEMS + 2
+    with pytest.raises(CatalogError, match="the slot free list's head is slot 10 of 8"):
+        c.reserve("new", B)
+    assert issubclass(CatalogCorruptError, CatalogError)
+    assert c.reserve("new", B) is not None  # the rebuilt catalog serves at once
+    c.check()
+    c.close()
+
+
+def test_the_hash_word_of_a_slot_never_indexes_past_the_buckets(tmp_path):
+    """A slot's hash word is masked into the bucket table (a corrupt one picks a wrong
+    chain, which the walk then refuses, never a word past the table)."""
+    c = healthy(tmp_path / "c", native=False)
+    c._w[words(c, "z") + S_HASH] = 2**62 + 5
+    outcome, message = in_child_with_deadline(lambda: c.evict("z"))
+    assert outcome == "CatalogCorruptError" and "is not on its hash chain" in message, message
+    c.check()
+    c.close()
+
+
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch):
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")

@@ -1,0 +1,153 @@
+"""StepTable: a step's block tables as int64 arrays, and the same tables item by item."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from ecoffload.engine.catalog.allocator import Extent
+from ecoffload.kernels import PlanError, native, plan, plan_copy
+from ecoffload.kernels.step_table import StepTable
+
+TABLES = [[(4, 2)], [], [(0, 1), (9, 3), (7, 1)], [(12, 1)]]
+
+
+def test_arrays_hold_every_item_s_extents_in_order():
+    step = StepTable.from_tables(TABLES)
+    assert step.extents.dtype == np.int64 and step.extents.shape == (5, 2)
+    assert step.bounds.tolist() == [0, 1, 1, 4, 5]
+    assert len(step) == 4 and step.num_extents == 5
+    assert [step[i] for i in range(4)] == TABLES == list(step)
+    assert step[-1] == [(12, 1)] and step[1:3] == TABLES[1:3]
+    with pytest.raises(IndexError, match="item 4 of a step table of 4 items"):
+        step[4]
+
+
+def test_the_catalogs_extents_convert_alike():
+    as_extents = [[Extent(*e) for e in t] for t in TABLES]
+    assert StepTable.from_tables(as_extents) == StepTable.from_tables(TABLES)
+    assert StepTable.from_tables(iter(TABLES)) == StepTable.from_tables(TABLES)
+
+
+def test_select_and_concat_keep_each_item_s_extents():
+    step = StepTable.from_tables(TABLES)
+    assert list(step.select([3, 0, 2])) == [TABLES[3], TABLES[0], TABLES[2]]
+    assert list(step.select([])) == []
+    assert step.select(range(4)) is step  # the whole step as it is
+    joined = StepTable.concat([step, step.select([1, 3])])
+    assert list(joined) == TABLES + [TABLES[1], TABLES[3]]
+    assert list(StepTable.concat([])) == []
+
+
+def test_a_pickled_step_table_is_the_same_table():
+    step = StepTable.from_tables(TABLES)
+    again = pickle.loads(pickle.dumps(step))
+    assert again == step and again.extents.flags.c_contiguous
+
+
+@pytest.mark.parametrize("bounds", [[0, 1, 6], [1, 5], [], [0, 2, 4]])
+def test_bounds_that_do_not_run_from_0_to_the_extents_are_refused(bounds):
+    with pytest.raises(ValueError, match="bounds must run from 0 to the 5 extents given"):
+        StepTable(StepTable.from_tables(TABLES).extents, np.array(bounds, np.int64))
+
+
+@pytest.mark.parametrize("c_pass", [True, False], ids=["c-pass", "numpy"])
+def test_a_step_table_plans_as_its_per_item_tables(monkeypatch, c_pass):
+    module = native.planner()
+    if c_pass and module is None:
+        pytest.skip("the planner's C pass is not built on this host")
+    if not c_pass:
+        monkeypatch.setattr(native, "planner", lambda: None)
+    block = 4096
+    sizes = [2 * block - 100, 0, 5 * block, 1]
+    offsets = [0, 8192, 8192, 8192 + 5 * block]
+    want = plan_copy(offsets, sizes, TABLES, block_bytes=block, arena_bytes=16 * block,
+                     items_bytes=sum(sizes) + 200, tile_bytes=1024, num_programs=3)  # fmt: skip
+    got = plan_copy(offsets, sizes, StepTable.from_tables(TABLES), block_bytes=block,
+                    arena_bytes=16 * block, items_bytes=sum(sizes) + 200, tile_bytes=1024,
+                    num_programs=3)  # fmt: skip
+    assert torch.equal(got.table, want.table) and got[1:] == want[1:]
+
+
+@pytest.mark.parametrize("c_pass", [True, False], ids=["c-pass", "numpy"])
+def test_a_faulty_step_table_is_named_as_precisely_as_per_item_tables(monkeypatch, c_pass):
+    if c_pass and native.planner() is None:
+        pytest.skip("the planner's C pass is not built on this host")
+    if not c_pass:
+        monkeypatch.setattr(native, "planner", lambda: None)
+    numpy_refusals = []
+    real = plan._segments_arrays
+
+    def counted(*args):
+        numpy_refusals.append(real(*args))
+        return numpy_refusals[-1]
+
+    monkeypatch.setattr(plan, "_segments_arrays", counted)
+    overlapping = StepTable.from_tables([[(0, 2)], [(1, 1)]])
+    with pytest.raises(PlanError, match=r"blocks given twice: extent \(0, 2\) of item 0 "
+                                        r"overlaps extent \(1, 1\) of item 1"):  # fmt: skip
+        plan_copy([0, 8192], [8000, 10], overlapping, block_bytes=4096, arena_bytes=8 * 4096,
+                  items_bytes=8202)  # fmt: skip
+    assert numpy_refusals == [None]  # the numpy pass saw it too, and handed it to the loop
+
+
+def test_a_step_of_catalog_entries_is_their_extents_concatenated():
+    from ecoffload.engine.catalog.allocator import BlockAllocator
+    from ecoffload.engine.catalog.catalog import Catalog
+
+    catalog = Catalog(BlockAllocator(32, 4096))
+    fillers = [catalog.reserve(f"fill-{i}", 4096) for i in range(32)]
+    for entry in fillers[::2]:  # every other block free: the next items get several extents
+        catalog.abort(entry.key)
+    entries = [catalog.reserve(f"item-{i}", n) for i, n in enumerate([4096 * 3, 100, 4096 * 5])]
+    step = StepTable.of_entries(entries)
+    assert list(step) == [list(e.extents) for e in entries]
+    assert step.num_extents == 9 and step.extents.dtype == np.int64
+    assert StepTable.of_entries([]) == StepTable.from_tables([])
+    with pytest.raises(ValueError):  # an entry's array is made once and never written
+        entries[0].extent_array[0, 0] = 7
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_save_s_fresh_reservations_get_one_pass_and_a_load_s_entries_keep_their_arrays(
+    tmp_path, shared, monkeypatch
+):
+    """What ``OffloadCache`` hands its mover for a step of many extents: for a save (its
+    reservations are new objects, planned once) the Extent lists the C pass reads, or
+    without it one pass over every extent, and no array left on any entry; for a load
+    (entries the catalog keeps and hands out again) the entries' own arrays, made on
+    the first step and reused on the next. Both give the entries' extents, in order."""
+    from catalogs import B, open_shared
+
+    from ecoffload.engine.cache import STEP_TABLE_FROM, step_tables
+    from ecoffload.engine.catalog.allocator import BlockAllocator
+    from ecoffload.engine.catalog.catalog import Catalog
+
+    blocks = 2 * STEP_TABLE_FROM + 4
+    catalog = open_shared(tmp_path / "c", blocks) if shared else Catalog(BlockAllocator(blocks, B))
+    fillers = [catalog.reserve(f"fill-{i}", B) for i in range(blocks)]
+    for entry in fillers[::2]:  # every other block free: each item takes single blocks
+        catalog.abort(entry.key)
+    entries = [catalog.reserve(f"item-{i}", B * (STEP_TABLE_FROM // 2 + 1)) for i in range(2)]
+    want = [list(e.extents) for e in entries]
+    assert sum(map(len, want)) >= STEP_TABLE_FROM
+
+    monkeypatch.setattr(native, "planner", object)  # a C pass loaded: it reads the lists
+    saved = step_tables(entries, fresh=True)
+    assert saved == [e.extents for e in entries] and all(
+        s is e.extents for s, e in zip(saved, entries, strict=True))  # fmt: skip
+    monkeypatch.setattr(native, "planner", lambda: None)  # no C pass: the numpy pass's table
+    saved = step_tables(entries, fresh=True)
+    assert isinstance(saved, StepTable) and list(saved) == want
+    monkeypatch.undo()
+    assert not any("extent_array" in vars(e) for e in entries)  # no array made per entry
+
+    loaded = step_tables(entries)
+    assert isinstance(loaded, StepTable) and list(loaded) == want
+    kept = [vars(e)["extent_array"] for e in entries]  # made by that step, kept by each entry
+    assert [a.tolist() for a in kept] == [[list(x) for x in w] for w in want]
+    assert step_tables(entries) == loaded
+    assert all(vars(e)["extent_array"] is a for e, a in zip(entries, kept, strict=True))
+    if shared:
+        catalog.close()
