@@ -85,7 +85,8 @@ from ..engine.base.errors import CatalogError
 from ..engine.base.items import item_crc32
 from ..engine.catalog.allocator import Extent
 from ..engine.catalog.catalog import ItemState
-from ..engine.remote.peer import ArenaPeer, Pull, PullHandle
+from ..engine.remote.peer import ArenaPeer
+from ..engine.remote.records import Pull, PullHandle
 from .config import NixlConfig
 from .transfer_params import AnnouncedItem, TransferParams
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.base.errors import RemoteError
-from ..engine.remote.peer import PeerCard, split_metadata
+from ..engine.remote.records import PeerCard, split_metadata
 
 FORMAT = 2
 MAX_PEER_BYTES = 64 << 10  # a peer's metadata inflates to ~600 bytes; refuse bombs

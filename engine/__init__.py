@@ -39,7 +39,8 @@ from .catalog.catalog import Catalog, CatalogStats, Entry, ItemState
 if TYPE_CHECKING:  # the lazy names below, for type checkers and editors
     from .arena.arena import ANY_LAYOUT, Arena
     from .cache import OffloadCache, SaveResult
-    from .remote.peer import ArenaPeer, PeerCard, Pull, PullHandle
+    from .remote.peer import ArenaPeer
+    from .remote.records import PeerCard, Pull, PullHandle
     from .transfer import BlockMover, Completion
 
 _LAZY = {
@@ -49,9 +50,9 @@ _LAZY = {
     "BlockMover": ".transfer",
     "Completion": ".transfer",
     "OffloadCache": ".cache",
-    "PeerCard": ".remote.peer",
-    "Pull": ".remote.peer",
-    "PullHandle": ".remote.peer",
+    "PeerCard": ".remote.records",
+    "Pull": ".remote.records",
+    "PullHandle": ".remote.records",
     "SaveResult": ".cache",
 }
 

@@ -40,8 +40,10 @@ import torch
 
 from ..engine.arena.arena import Arena
 from ..engine.remote.export_window import ExportWindow
+from ..engine.remote.extent_pieces import pieces as _pieces
 from ..engine.remote.nixl_setup import load_nixl
-from ..engine.remote.peer import ArenaPeer, Pull, _pieces
+from ..engine.remote.peer import ArenaPeer
+from ..engine.remote.records import Pull
 from ..testing.remote_producer import fill_arena
 
 BLOCK = 64 << 10

@@ -187,7 +187,7 @@ def test_every_port_opened_listens_on_nixl_host_only(second_host, two_hosts):
 
 def test_a_params_holder_reads_only_live_leases_and_writes_no_arena(two_hosts):
     from ecoffload.connector.transfer_params import unpack_peer
-    from ecoffload.engine.remote.peer import split_metadata
+    from ecoffload.engine.remote.records import split_metadata
 
     psched, pworker, _ = two_hosts("127.0.0.1")
     producer = psched.side.remote_producer

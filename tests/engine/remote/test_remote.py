@@ -29,9 +29,10 @@ from ecoffload.engine.base.errors import (
     RemotePeerError,
 )
 from ecoffload.engine.remote import nixl_setup
-from ecoffload.engine.remote import peer as remote
+from ecoffload.engine.remote.extent_pieces import pieces as extent_pieces
 from ecoffload.engine.remote.nixl_setup import nixl_available
-from ecoffload.engine.remote.peer import ArenaPeer, PeerCard, Pull
+from ecoffload.engine.remote.peer import ArenaPeer
+from ecoffload.engine.remote.records import PeerCard, Pull, check_extents
 from ecoffload.testing.remote_producer import fill_arena
 
 needs_nixl = pytest.mark.skipif(
@@ -96,9 +97,9 @@ SIZES = {
 def test_pieces_map_every_byte_like_the_reference(sizes, rbb, lbb):
     for seed in range(3):
         for p in plan(seed, sizes, rbb, 64, lbb, 64):
-            r = remote._check_extents(p.remote, rbb, 64, p.nbytes, "remote")
-            loc = remote._check_extents(p.local, lbb, 64, p.nbytes, "local")
-            pieces = list(remote._pieces(r, rbb, loc, lbb, p.nbytes))
+            r = check_extents(p.remote, rbb, 64, p.nbytes, "remote")
+            loc = check_extents(p.local, lbb, 64, p.nbytes, "local")
+            pieces = list(extent_pieces(r, rbb, loc, lbb, p.nbytes))
             got_r = np.concatenate([np.arange(ro, ro + n) for ro, _, n in pieces])
             got_l = np.concatenate([np.arange(lo, lo + n) for _, lo, n in pieces])
             assert np.array_equal(got_r, stream(p.remote, rbb, p.nbytes))
@@ -108,9 +109,9 @@ def test_pieces_map_every_byte_like_the_reference(sizes, rbb, lbb):
 
 
 def test_pieces_of_contiguous_items_are_one_descriptor():
-    pieces = list(remote._pieces([(3, 4)], 4096, [(1, 2)], 8192, 4 * 4096 - 1))
+    pieces = list(extent_pieces([(3, 4)], 4096, [(1, 2)], 8192, 4 * 4096 - 1))
     assert pieces == [(3 * 4096, 8192, 4 * 4096 - 1)]
-    assert list(remote._pieces([], 4096, [], 8192, 0)) == []
+    assert list(extent_pieces([], 4096, [], 8192, 0)) == []
 
 
 def test_missing_nixl_says_what_to_install(monkeypatch):
