@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..engine.cluster.store import StoreClient, StoreSettings
 from ..engine.cluster.tier import COUNTERS as TIER_COUNTERS
@@ -33,6 +33,12 @@ from ..engine.cluster.tier import ClusterFetch, ClusterTier
 from ..engine.cluster.value import load_key
 from ..engine.remote.nixl_setup import outward_ip
 from .config import ClusterConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from ..engine.arena.arena import Arena
+    from ..engine.catalog.shared.catalog import SharedCatalog
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,7 @@ GAUGES = ("cluster_available",)
 class ClusterConsumer:
     """Lookups, fetches and publishes of one scheduler (see the module docstring)."""
 
-    def __init__(self, arena: Any, catalog: Any, config: ClusterConfig, *, layout: str,
+    def __init__(self, arena: Arena, catalog: SharedCatalog, config: ClusterConfig, *, layout: str,
                  publish: bool) -> None:  # fmt: skip
         settings = StoreSettings(
             master=config.master,
@@ -70,7 +76,7 @@ class ClusterConsumer:
         self._ready: set[str] = set()  # requests whose lookup or fetch ended
 
     def admit(
-        self, request: Any, num_computed_tokens: int, is_local: Callable[[str], bool]
+        self, request: Request, num_computed_tokens: int, is_local: Callable[[str], bool]
     ) -> bool:
         """``ensure_cache_available``; ``is_local(key)``: the scheduler's own lookup (a hit
         is pinned and promised to the step, so it costs no second lookup later)."""

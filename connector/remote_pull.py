@@ -79,7 +79,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.base.errors import CatalogError
 from ..engine.base.items import item_crc32
@@ -90,12 +90,18 @@ from ..engine.remote.records import Pull, PullHandle
 from .config import NixlConfig
 from .transfer_params import AnnouncedItem, TransferParams
 
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from ..engine.arena.arena import Arena
+    from ..engine.catalog.shared.catalog import SharedCatalog
+
 log = logging.getLogger(__name__)
 
 CLOCK_SKEW_S = 1.0  # assumed bound on the hosts' wall-clock difference
 
 
-def open_peer(arena: Any, config: NixlConfig, *, producer: bool, consumer: bool) -> ArenaPeer:
+def open_peer(arena: Arena, config: NixlConfig, *, producer: bool, consumer: bool) -> ArenaPeer:
     """This scheduler's NIXL agent: a producer exports a window (never the arena), a
     consumer registers its arena as the local end of its reads. Nothing listens."""
     name = f"ecoffload-{socket.gethostname()}-{os.getpid()}-{arena.nonce & 0xFFFFFFFF:08x}"
@@ -117,7 +123,7 @@ class RemoteProducer:
     def __init__(
         self,
         peer: ArenaPeer,
-        catalog: Any,
+        catalog: SharedCatalog,
         config: NixlConfig,
         counts: Counter,
         *,
@@ -145,7 +151,7 @@ class RemoteProducer:
                 except Exception:  # never let the thread die silently
                     log.exception("ecoffload: releasing leases failed")
 
-    def announce(self, request: Any) -> dict[str, Any] | None:
+    def announce(self, request: Request) -> dict[str, Any] | None:
         """``ec_transfer_params`` for ``request``'s READY items (copied into the export
         window now), or None."""
         window = self.peer.export_window()
@@ -245,7 +251,13 @@ class RemoteConsumer:
     brought them into the local arena; falls back to local encoding otherwise."""
 
     def __init__(
-        self, peer: ArenaPeer, catalog: Any, config: NixlConfig, counts: Counter, *, layout: str
+        self,
+        peer: ArenaPeer,
+        catalog: SharedCatalog,
+        config: NixlConfig,
+        counts: Counter,
+        *,
+        layout: str,
     ) -> None:
         self.peer, self.catalog, self.config, self._counts = peer, catalog, config, counts
         self.layout = layout
@@ -255,7 +267,7 @@ class RemoteConsumer:
         self._unsettled: list[tuple[PullHandle, dict[str, tuple[int, Any]]]] = []
         self._unavailable: set[str] = set()
 
-    def admit(self, request: Any, num_computed_tokens: int) -> bool:
+    def admit(self, request: Request, num_computed_tokens: int) -> bool:
         """``ensure_cache_available``: False while the request's pull is under way."""
         rid = request.request_id
         pull = self._pulls.get(rid)
@@ -306,7 +318,7 @@ class RemoteConsumer:
         self._start(pull)
         return False
 
-    def _resolve(self, request: Any, fallback: set[str], why: str) -> bool:
+    def _resolve(self, request: Request, fallback: set[str], why: str) -> bool:
         """The request's announcement is settled: admit it, its ``fallback`` items to be
         encoded locally, or (some lacks its input) report it unavailable."""
         request.ec_transfer_params = None

@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.base.errors import CatalogError, DuplicateItemError
 from ..engine.base.liveness import ProcessId
@@ -69,12 +69,19 @@ from .remote_pull import RemoteConsumer, RemoteProducer, open_peer
 from .shared_arena import default_arena_name, open_catalog, open_shared_arena
 from .stats import COUNTERS, ECOffloadStats, delta
 
+if TYPE_CHECKING:  # vLLM's own types for its hooks' arguments (imported by vLLM anyway)
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.request import Request
+
 log = logging.getLogger(__name__)
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, config: OffloadConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: OffloadConfig) -> None:
         transfer = vllm_config.ec_transfer_config
+        assert transfer is not None, "vLLM makes an EC connector only from ec_transfer_config"
         self.producer, self.consumer = transfer.is_ec_producer, transfer.is_ec_consumer
         self._vllm_config = vllm_config
         self._load_ranks = load_reports_per_step(vllm_config)  # reports that free a load
@@ -169,7 +176,7 @@ class SchedulerSide:
         self._promised[identifier] = entry
         return True
 
-    def update_state_after_alloc(self, request: Any, index: int) -> None:
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
         key = feature.identifier
         entry = self._promised.pop(key, None)
@@ -208,7 +215,7 @@ class SchedulerSide:
             self._row_bytes_of_config[modality] = encoder_row_bytes(self._vllm_config, modality)
         return self._row_bytes_of_config[modality]
 
-    def build_connector_meta(self, scheduler_output: Any) -> ECOffloadMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECOffloadMetadata:
         if self.remote_producer is not None:  # once per step: leases read or expired
             self.remote_producer.step()
         if self.remote_consumer is not None:  # once per step: connections, reads
@@ -239,7 +246,7 @@ class SchedulerSide:
         self._loads, self._saves = {}, {}
         return meta
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         report = getattr(connector_output, "ec_connector_worker_meta", None)
         if not isinstance(report, ECOffloadWorkerMetadata):
             return
@@ -335,7 +342,7 @@ class SchedulerSide:
             del self._loading[key]
             del self._load_nbytes[key]
 
-    def request_finished(self, request: Any) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict | None]:
         # Pins and reservations of steps are released by worker reports; a remote
         # announcement's pins by the consumer's notification or the lease. vLLM
         # ORs the bool into the KV blocks' delay-free flag, which only a KV
@@ -358,7 +365,7 @@ class SchedulerSide:
         """
         return self._idle_reports and bool(self._writing or self._loading)
 
-    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if (
             self.cluster is not None
             and self.consumer
@@ -385,7 +392,7 @@ class SchedulerSide:
             return set()  # a pinned local item cannot become unavailable
         return self.remote_consumer.take_unavailable()
 
-    def update_state_after_free(self, request: Any, index: int) -> None:
+    def update_state_after_free(self, request: Request, index: int) -> None:
         return None  # vLLM freeing its GPU copy changes nothing in the arena
 
     def stats(self) -> dict[str, int | float]:

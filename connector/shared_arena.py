@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..engine import shared_cache
 from ..engine.arena.arena import Arena, RegisterMode
 from ..engine.catalog.shared.catalog import SharedCatalog
 from .config import OffloadConfig
 
+if TYPE_CHECKING:  # vLLM's own type (imported by vLLM anyway)
+    from vllm.config import VllmConfig
 
-def layout_key(vllm_config: Any) -> dict[str, str]:
+
+def layout_key(vllm_config: VllmConfig) -> dict[str, str]:
     """What an arena's bytes depend on: a file made for another model is refused."""
     model = vllm_config.model_config
     return {
@@ -29,14 +32,14 @@ def layout_key(vllm_config: Any) -> dict[str, str]:
     }
 
 
-def default_arena_name(vllm_config: Any) -> str:
+def default_arena_name(vllm_config: VllmConfig) -> str:
     """``ecoffload-<12 hex digits of the layout key's hash>``."""
     text = json.dumps(layout_key(vllm_config), sort_keys=True).encode()
     return f"ecoffload-{hashlib.sha256(text).hexdigest()[:12]}"
 
 
 def open_shared_arena(
-    config: OffloadConfig, vllm_config: Any, *, register_cuda: RegisterMode
+    config: OffloadConfig, vllm_config: VllmConfig, *, register_cuda: RegisterMode
 ) -> Arena:
     """Create the host's arena for this model, or join the one another process made
     (:func:`ecoffload.engine.shared_cache.open_shared_arena` with this config).

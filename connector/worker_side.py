@@ -28,7 +28,7 @@ import contextlib
 import logging
 from collections import Counter
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from .metadata import ECOffloadMetadata, ECOffloadWorkerMetadata
 from .shared_arena import open_catalog, open_shared_arena
 from .stats import WORKER_COUNTERS, ECOffloadStats, delta
 
+if TYPE_CHECKING:  # vLLM's own types for its hooks' arguments (imported by vLLM anyway)
+    from vllm.config import VllmConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -58,8 +61,9 @@ class _Saved(NamedTuple):
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: Any, config: OffloadConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: OffloadConfig) -> None:
         transfer = vllm_config.ec_transfer_config
+        assert transfer is not None, "vLLM makes an EC connector only from ec_transfer_config"
         self.producer, self.consumer = transfer.is_ec_producer, transfer.is_ec_consumer
         self.reports_stats = is_writer_rank()  # one worker per instance counts
         self.writes = self.producer and self.reports_stats
