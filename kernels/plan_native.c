@@ -1,6 +1,6 @@
 /* The copy planner's fast passes in C: what plan.py's and api.py's Python passes
- * compute, without the interpreter's cost per extent (~0.7 us there on a 2-vCPU VM,
- * ~35 ns here, most of it reading Python tuples) or per item.
+ * compute, without the interpreter's cost per extent or per item (BENCHMARKS.md,
+ * "With the planner's C pass": most of what is left is reading Python tuples).
  *
  * plan(item_offsets, item_nbytes, tables, block_bytes, arena_bytes, items_bytes,
  *      tile_bytes, items_base, arena_base, num_programs)
@@ -31,7 +31,7 @@
  * check_step(extents, bounds, num_blocks) -> -1, the first extent outside, or None
  *   what a worker checks of a step table it received (see check_step below);
  *   without num_blocks, the arrays only (-1 or None): what step_table.step_arrays
- *   checks of every step table made, in ~0.2 us instead of numpy's ~3.6.
+ *   checks of every step table made, without numpy's calls (BENCHMARKS.md).
  *
  * item_layout(tensors) -> (lowest, offsets, sizes, span) or None
  *   api._item_layout's numbers for a list of tensors: the index of the
@@ -78,7 +78,7 @@ static inline int64_t as_int64(PyObject *o, int *bad) {
 
 /* Sorts extents by start, all in [0, num_blocks): already sorted (the allocator's
  * usual order) costs one pass, a few by insertion, many by LSD radix on the bytes
- * that block numbers use (O(n): qsort took 2.4 ms for 19,200 extents). */
+ * that block numbers use (O(n): qsort was the cost of large fragmented steps). */
 static int sort_by_start(extent_t *ext, Py_ssize_t n, int64_t num_blocks) {
     Py_ssize_t i;
     for (i = 1; i < n && ext[i - 1].start <= ext[i].start; i++) {
