@@ -11,6 +11,8 @@ import logging
 import random
 import subprocess
 import sysconfig
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -331,8 +333,50 @@ def test_without_the_extension_planning_stays_in_python_and_says_so_once(
                         arena_bytes=small.BLOCKS * small.B, items_bytes=total)  # fmt: skip
     assert got.num_segments == sum(map(len, tables))
     (record,) = caplog.records
-    assert "stays in Python" in record.message and "_not_built_here" in record.message
-    assert "C compiler" in record.message and "ECOFFLOAD_NATIVE_PLAN=0" in record.message
+    # what an operator reads: what happened, why, and both ways out, in one sentence
+    message = record.message
+    assert message.startswith(
+        "ecoffload: copy planning stays in Python (slower for fragmented steps): "
+        "ecoffload.kernels._not_built_here is not built in this install ("
+    ), message
+    assert message.endswith(
+        "): reinstall ecoffload on a host with a C compiler and this Python's headers (e.g. "
+        "gcc and python3-dev; `pip install -e .` again after editing kernels/plan_native.c), "
+        "or set ECOFFLOAD_NATIVE_PLAN=0 to plan in Python without this warning"
+    ), message
+
+
+def test_first_calls_racing_decide_once(undecided, monkeypatch):
+    # the kernels' warm-up thread and a first step may ask at the same moment: one
+    # decision (one load, at most one warning), the same answer for both
+    decided = []
+    real = native._decide
+
+    def slow_decide():
+        decided.append(threading.get_ident())
+        time.sleep(0.2)  # the other caller reaches the lock meanwhile
+        return real()
+
+    monkeypatch.setattr(native, "_decide", slow_decide)
+    answers = []
+    callers = [threading.Thread(target=lambda: answers.append(native.planner())) for _ in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=10)
+    assert len(decided) == 1 and len(answers) == 2
+    assert answers[0] is answers[1] is not None
+
+
+def test_once_decided_a_call_takes_no_lock(undecided):
+    # every step asks: after the decision, a dict lookup, never the lock
+    module = native.planner()
+    answers = []
+    with native._lock:  # held: a call that needed it would wait here
+        asker = threading.Thread(target=lambda: answers.append(native.planner()))
+        asker.start()
+        asker.join(timeout=2)
+    assert answers == [module], "planner() waited for the lock after the decision"
 
 
 def test_disabled_by_the_environment_it_is_not_loaded(undecided, monkeypatch):
