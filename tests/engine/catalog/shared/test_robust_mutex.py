@@ -69,3 +69,23 @@ def test_a_refused_attribute_names_the_call_the_file_and_what_is_needed(monkeypa
         f"catalog /dev/shm/x.catalog: pthread_{call} failed with {os.strerror(errno.EINVAL)}: "
         "the shared catalog needs robust process-shared mutexes (Linux, glibc or musl)"
     )
+
+
+@pytest.mark.parametrize("call", ["mutexattr_init", "mutex_init"])
+def test_a_failing_init_call_names_itself(monkeypatch, call):
+    # the two calls no constant can make fail: the C library answering ENOMEM (or EAGAIN)
+    real = robust_mutex.PT
+
+    class Failing:
+        def __getattr__(self, name):
+            if name == f"pthread_{call}":
+                return lambda *args: errno.ENOMEM
+            return getattr(real, name)
+
+    monkeypatch.setattr(robust_mutex, "PT", Failing())
+    mutex = ctypes.create_string_buffer(64)
+    with pytest.raises(CatalogLockError) as err:
+        robust_mutex.init_mutex(ctypes.c_void_p(ctypes.addressof(mutex)), "/dev/shm/x.catalog")
+    assert str(err.value).startswith(
+        f"catalog /dev/shm/x.catalog: pthread_{call} failed with {os.strerror(errno.ENOMEM)}: "
+    )
