@@ -34,6 +34,7 @@ from ecoffload.engine.cache import OffloadCache
 from ecoffload.engine.catalog.allocator import BlockAllocator, Extent
 from ecoffload.engine.catalog.catalog import Catalog
 from ecoffload.engine.transfer import BlockMover
+from ecoffload.kernels.step_table import StepTable
 
 B = 4096
 CHUNK = 4 * B  # populate chunk in these tests: 4 blocks
@@ -397,7 +398,11 @@ def test_a_failed_chunk_stays_host_only_with_one_warning(arena_dir, fake_cupy, m
     assert runtime.registered == {}
 
 
-def test_mover_copies_unregistered_blocks_through_host_memory(arena_dir, fake_cupy, monkeypatch):
+@pytest.mark.parametrize("as_step_table", [False, True], ids=["extent-lists", "step-table"])
+def test_mover_copies_unregistered_blocks_through_host_memory(
+    arena_dir, fake_cupy, monkeypatch, as_step_table
+):
+    # a step's tables come as the catalogs' extent lists or as one StepTable (the connector's)
     fake_cupy(fail_offsets={CHUNK})
     monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
     monkeypatch.setattr(registration_mod, "REGISTER_SPAN", CHUNK)
@@ -414,13 +419,14 @@ def test_mover_copies_unregistered_blocks_through_host_memory(arena_dir, fake_cu
         mover = BlockMover(a, "cpu")
         items = [torch.full((B + 5,), i + 1, dtype=torch.uint8) for i in range(3)]
         tables = [[(0, 2)], [(4, 2)], [(8, 1), (13, 1)]]  # the middle one is in the bad chunk
-        mover.save(items, tables)
+        mover.save(items, StepTable.from_tables(tables) if as_step_table else tables)
         host = [t for backend, t in backends if backend == "reference"]
         assert host == [[[(4, 2)]]]
         assert [t for backend, t in backends if backend != "reference"] == [
             [[(0, 2)], [(8, 1), (13, 1)]]
         ]
-        outputs, _ = mover.load(tables, [(torch.uint8, (B + 5,))] * 3)
+        loads = StepTable.from_tables(tables) if as_step_table else tables
+        outputs, _ = mover.load(loads, [(torch.uint8, (B + 5,))] * 3)
         for got, want in zip(outputs, items, strict=True):
             assert torch.equal(got, want)
 
