@@ -84,3 +84,10 @@ def test_without_a_readable_boot_id_the_boot_is_0_0(monkeypatch, proc):
 
     monkeypatch.setattr(liveness, "open", fake_open, raising=False)
     assert boot_id() == (0, 0)
+
+
+def test_this_process_s_identity_is_its_pid_and_its_start_time():
+    # what every reservation and pin records: a pid that is reused later must not match
+    me = liveness.ProcessId.of_this_process()
+    assert me == (os.getpid(), process_start_time(os.getpid()))
+    assert me.start > 0 and alive(*me)
