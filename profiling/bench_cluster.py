@@ -23,6 +23,12 @@ tier off (:class:`~.real_path_steps.SchedulerSteps`: vLLM's factory, a real
 hooks of 16 hits and the workers' load report), the two connectors'
 steps interleaved.
 
+A held request's fetch (one 245 KiB item, the tier's whole fetch) while the
+polling thread spins as vLLM's engine does while a request is held (a loop of
+``poll`` and ~a step of Python), beside the same loop that first waits on the
+fetch at most :data:`~ecoffload.connector.cluster_tier.HOLD_YIELD_S` (what the
+connector's step does), alternating.
+
 The MAC (HMAC-SHA256, :mod:`~ecoffload.engine.cluster.value`) and, beside it,
 keyed BLAKE2b-256 and CRC-32 are timed over 8 MiB in this process. Every fetched
 item is checked bit-exact.
@@ -109,6 +115,7 @@ def main() -> None:
                        fetch_timeout_s=30, key=key)  # fmt: skip
     try:
         run(args.repeat, holder, client, tier, cache, key)
+        hold_cost(3 * args.repeat, holder, tier, cache, key)
         if args.scheduler_steps:
             scheduler_cost(args.scheduler_steps, master, tmp)
     finally:
@@ -223,6 +230,48 @@ def run(repeat: int, holder, client: StoreClient, tier: ClusterTier, cache, key:
 
     for label, (sizes, scattered) in REQUESTS.items():
         one(label, sizes, scattered)
+
+
+def hold_cost(repeat: int, holder, tier: ClusterTier, cache, key: bytes) -> None:
+    import concurrent.futures as cf
+
+    from ..connector.cluster_tier import HOLD_YIELD_S
+
+    item = np.random.default_rng(7).integers(0, 256, 245 << 10, dtype=np.uint8)
+    name = tier.store_key("held")
+    header = value.pack_header(item.nbytes, "uint8", (item.nbytes,))
+    value.seal(header, key, name, [item])
+    assert holder.remove(name, True) in (0, -704)
+    assert holder.put(name, bytes(header) + item.tobytes()) == 0
+
+    def step_work() -> int:  # ~a scheduler step of Python
+        return sum(range(3000))
+
+    def once(wait: bool) -> tuple[float, int]:
+        t0, steps = time.perf_counter(), 0
+        f = tier.fetch({"held": item.nbytes})
+        while True:
+            if wait and f.future is not None:
+                cf.wait([f.future], timeout=HOLD_YIELD_S)
+            if tier.poll(f) != "pending":
+                break
+            step_work()
+            steps += 1
+        seconds = time.perf_counter() - t0
+        assert f.fetched == {"held"}, f
+        cache.catalog.evict("held")
+        return seconds, steps
+
+    got: dict[bool, list[tuple[float, int]]] = {False: [], True: []}
+    for i in range(repeat):
+        for wait in (False, True) if i % 2 else (True, False):
+            got[wait].append(once(wait))
+    print(f"\na held request's fetch of 1 x 245 KiB, ms (median / 90th pct / max of {repeat}):")
+    for wait, label in ((False, "poller spins"), (True, f"waits <= {HOLD_YIELD_S * 1e3:g} ms")):
+        ms = sorted(s * 1e3 for s, _ in got[wait])
+        steps = statistics.median(n for _, n in got[wait])
+        print(f"  {label:18s} {statistics.median(ms):7.2f} {ms[int(0.9 * len(ms))]:7.2f} "
+              f"{ms[-1]:7.2f}   steps polled {steps:g}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -24,8 +24,18 @@ connector's. Checks: the connector served every repeat
 (``vllm:ecoffload_items_loaded_total``), the generated tokens equal the
 no-connector server's, and each prompt holds one image's placeholder tokens.
 
+``--cluster`` adds the cluster tier: a ``mooncake_master`` on 127.0.0.1, the
+ecoffload server publishes every item it saves, and a third server, on its own
+arena with the tier on, is asked each image once, after the first round of
+first sights (so every one is a cluster hit: fetched from the store into its
+arena, then loaded). Its times to first token sit beside the first repeat
+round's two others (same images, same round, the order rotating over the three
+servers), a third column; checks: every one of its requests was a cluster
+fetch, its encoder never ran for them (no save) and its tokens equal the
+no-connector server's.
+
     python -m ecoffload.profiling.bench_ttft [--vision siglip-base] [--images 4]
-        [--rounds 3] [--max-tokens 4] [--json]
+        [--rounds 3] [--max-tokens 4] [--cluster] [--json]
 """
 
 from __future__ import annotations
@@ -60,6 +70,8 @@ from ..testing.vllm_serve import (
 ENCODER_CACHE_IMAGES = 2
 LOADED_METRIC = "vllm:ecoffload_items_loaded_total"
 SAVED_METRIC = "vllm:ecoffload_items_saved_total"
+FETCHED_METRIC = "vllm:ecoffload_cluster_items_fetched_total"
+PUBLISHED_METRIC = "vllm:ecoffload_cluster_publishes_total"
 # Pause before each measured request: a server that has just answered keeps its
 # threads busy for a moment, which on a small CPU slows whatever runs next.
 SETTLE_S = 1.0
@@ -141,10 +153,27 @@ class TtftResult:
     placeholder_tokens: list[int] = field(default_factory=list)  # per request, both servers
     load_average: list[float] = field(default_factory=list)  # 1-minute, before and after
     arena_leftovers: list[str] = field(default_factory=list)
+    # --cluster: each image once on the third server (a cluster hit), and the same
+    # images' requests of that round on the other two (the first repeat round).
+    cluster: bool = False
+    cluster_hit: list[float] = field(default_factory=list)
+    cluster_plain: list[float] = field(default_factory=list)  # encoder runs
+    cluster_local: list[float] = field(default_factory=list)  # arena load
+    cluster_fetched: float = 0.0  # by the third server during those requests (/metrics)
+    cluster_saved: float = 0.0  # its encoder's outputs meanwhile (must stay 0)
+    cluster_tokens_identical: bool = False
 
     def ratios(self) -> list[float]:
         """Per repeated image: TTFT without the connector / with ecoffload."""
         return [p / o for p, o in zip(self.plain_repeat, self.offload_repeat, strict=True)]
+
+    def cluster_ratios(self) -> tuple[list[float], list[float]]:
+        """Per image of the cluster round: (cluster hit / local hit, re-encode / cluster hit)."""
+        hit, local, plain = self.cluster_hit, self.cluster_local, self.cluster_plain
+        return (
+            [c / o for c, o in zip(hit, local, strict=True)],
+            [p / c for p, c in zip(plain, hit, strict=True)],
+        )
 
 
 def run(
@@ -156,8 +185,10 @@ def run(
     seed: int = 0,
     component_runs: int = 5,
     log_dir: str | None = None,
+    cluster: bool = False,
 ) -> TtftResult:
-    """Start both servers, measure, stop them (SIGINT, then the group is killed)."""
+    """Start the servers (and with ``cluster`` a master), measure, stop them (SIGINT,
+    then the group is killed)."""
     g = geometry(vision)
     if images <= ENCODER_CACHE_IMAGES:
         raise ValueError(
@@ -173,6 +204,7 @@ def run(
         vision, asdict(g) | {"num_image_tokens": g.num_image_tokens}, images, rounds,
         max_tokens, shape, 2 * shape[0] * shape[1],  # bfloat16, as the servers run
     )  # fmt: skip
+    result.cluster = cluster
     result.load_average.append(os.getloadavg()[0])
     budget = ENCODER_CACHE_IMAGES * g.num_image_tokens
     with contextlib.ExitStack() as stack:
@@ -186,13 +218,37 @@ def run(
             tempfile.TemporaryDirectory(prefix="ecoffload-ttft-", dir=_shm_or_tmp())
         )
         logs = log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="ecoffload-ttft-"))
-        _serve_and_measure(result, model_dir, arena_dir, logs, pictures, warm_up, budget)
+        tier = stack.enter_context(_cluster_tier(logs)) if cluster else None
+        _serve_and_measure(result, model_dir, arena_dir, logs, pictures, warm_up, budget, tier)
         # Servers gone now: the component times do not share the CPU with them.
         encoder = time_encoder(model_dir, runs=component_runs)
         result.encoder_seconds, result.embedding_shape = encoder["seconds"], encoder["shape"]
         result.arena_load_seconds = time_arena_load(shape, arena_dir, runs=4 * component_runs)
     result.load_average.append(os.getloadavg()[0])
     return result
+
+
+@contextlib.contextmanager
+def _cluster_tier(logs: str) -> Any:
+    """A ``mooncake_master`` on 127.0.0.1 for the run; yields the servers' ``cluster`` config."""
+    from ..engine.cluster.master import MasterProcess
+    from ..engine.cluster.value import random_key_file
+
+    master = MasterProcess(log_path=os.path.join(logs, "mooncake-master.log")).start()
+    try:
+        yield {
+            "master": master.address, "metadata": master.metadata, "host": "127.0.0.1",
+            "segment_bytes": "64MiB", "fetch_timeout_s": 10,
+            "key_file": random_key_file(os.path.join(logs, "cluster.key")),
+        }  # fmt: skip
+    finally:
+        master.kill()
+
+
+def rotation(sides: tuple[str, ...], turn: int) -> tuple[str, ...]:
+    """``sides`` rotated by ``turn``: who goes first changes from one request to the next."""
+    k = turn % len(sides)
+    return sides[k:] + sides[:k]
 
 
 def _serve_and_measure(
@@ -203,58 +259,86 @@ def _serve_and_measure(
     pictures: list,
     warm_up: Any,
     budget: int,
+    tier: dict[str, Any] | None = None,
 ) -> None:
-    """The two servers: first sights, then ``result.rounds`` rounds of repeats, alternating."""
+    """The servers: first sights, then ``result.rounds`` rounds of repeats, the order
+    rotating; with ``tier``, the cluster server joins the first repeat round."""
     arena_name = f"ecoffload-ttft-{uuid.uuid4().hex[:12]}"
-    with (
-        Server.start(
+    names = [arena_name] + ([f"{arena_name}-cluster"] if tier else [])
+    with contextlib.ExitStack() as stack:
+        plain = stack.enter_context(Server.start(
             model_dir, connector=False, max_num_batched_tokens=budget,
             log_path=os.path.join(logs, "without-connector.log"),
-        ) as plain,
-        Server.start(
-            model_dir, connector=True, arena_dir=arena_dir, arena_name=arena_name,
+        ))  # fmt: skip
+        offload = stack.enter_context(Server.start(
+            model_dir, connector=True, arena_dir=arena_dir, arena_name=names[0], cluster=tier,
             max_num_batched_tokens=budget, log_path=os.path.join(logs, "with-ecoffload.log"),
-        ) as offload,
-    ):  # fmt: skip
-        clients = {"plain": plain.client(timeout_s=300.0), "offload": offload.client(300.0)}
-        tokens: dict[str, list[list[int]]] = {"plain": [], "offload": []}
+        ))  # fmt: skip
+        servers = {"plain": plain, "offload": offload}
+        if tier:
+            servers["cluster"] = stack.enter_context(Server.start(
+                model_dir, connector=True, arena_dir=arena_dir, arena_name=names[1],
+                cluster=tier, max_num_batched_tokens=budget,
+                log_path=os.path.join(logs, "cluster-hits.log"),
+            ))  # fmt: skip
+        clients = {side: server.client(timeout_s=300.0) for side, server in servers.items()}
+        tokens: dict[str, list[list[int]]] = {side: [] for side in servers}
         placeholder = image_token_id()
 
-        def both(index: int, turn: int) -> tuple[FirstToken, FirstToken]:
-            order = ("plain", "offload") if turn % 2 == 0 else ("offload", "plain")
+        def each(index: int, turn: int, sides: tuple[str, ...]) -> dict[str, FirstToken]:
             got = {}
-            for side in order:
+            for side in rotation(sides, turn):
                 time.sleep(SETTLE_S)
                 got[side] = stream_first_token(
                     clients[side], pictures[index], max_tokens=result.max_tokens
                 )
                 tokens[side].append(got[side].token_ids)
                 result.placeholder_tokens.append(got[side].prompt_token_ids.count(placeholder))
-            return got["plain"], got["offload"]
+            return got
 
         for side in ("plain", "offload"):
             stream_first_token(clients[side], warm_up, max_tokens=result.max_tokens)
         images = len(pictures)
         for index in range(images):
-            p, o = both(index, index)
-            result.plain_first.append(p.seconds)
-            result.offload_first.append(o.seconds)
+            got = each(index, index, ("plain", "offload"))
+            result.plain_first.append(got["plain"].seconds)
+            result.offload_first.append(got["offload"].seconds)
         saved = offload.wait_for_metric(SAVED_METRIC, images + 1)  # + the warm-up image
         loaded_before = saved.get(LOADED_METRIC, 0.0)
+        cluster_before: dict[str, float] = {}
+        if tier:
+            # the cluster server warms up on the warm-up image (a cluster hit once it is
+            # published); every measured image is published before it is asked
+            offload.wait_for_metric(PUBLISHED_METRIC, images + 1, timeout_s=60)
+            stream_first_token(clients["cluster"], warm_up, max_tokens=result.max_tokens)
+            cluster_before = servers["cluster"].wait_for_metric(FETCHED_METRIC, 1, timeout_s=10)
         for r in range(result.rounds):
             for index in range(images):
-                p, o = both(index, images + r * images + index)
-                result.plain_repeat.append(p.seconds)
-                result.offload_repeat.append(o.seconds)
+                sides = ("plain", "offload", "cluster") if tier and r == 0 else ("plain", "offload")
+                got = each(index, images + r * images + index, sides)
+                result.plain_repeat.append(got["plain"].seconds)
+                result.offload_repeat.append(got["offload"].seconds)
+                if "cluster" in got:
+                    result.cluster_hit.append(got["cluster"].seconds)
+                    result.cluster_plain.append(got["plain"].seconds)
+                    result.cluster_local.append(got["offload"].seconds)
         result.items_saved = saved.get(SAVED_METRIC, 0.0)
         repeats = len(result.offload_repeat)
         metrics = offload.wait_for_metric(LOADED_METRIC, loaded_before + repeats)
         result.items_loaded = metrics.get(LOADED_METRIC, 0.0) - loaded_before
         result.tokens_identical = tokens["plain"] == tokens["offload"]
-        for server in (offload, plain):
+        if tier:
+            fetched = cluster_before.get(FETCHED_METRIC, 0.0)
+            after = servers["cluster"].wait_for_metric(FETCHED_METRIC, fetched + images)
+            result.cluster_fetched = after.get(FETCHED_METRIC, 0.0) - fetched
+            result.cluster_saved = after.get(SAVED_METRIC, 0.0) - cluster_before.get(
+                SAVED_METRIC, 0.0
+            )
+            result.cluster_tokens_identical = tokens["cluster"] == tokens["plain"][:images]
+        for server in reversed(list(servers.values())):
             with contextlib.suppress(ServerError):
                 server.interrupt()  # SIGINT: the connector unlinks its arena on the way out
-    result.arena_leftovers = arena_leftovers(arena_dir, arena_name)
+    result.arena_leftovers = [p for n in names for p in arena_leftovers(arena_dir, n)]
 
 
 def _shm_or_tmp() -> str | None:
@@ -425,21 +509,52 @@ def table(result: TtftResult) -> str:
     )
     lines = [head, "| | without connector | with ecoffload | ratio |", "|---|---|---|---|"]
     lines += [f"| {name} | {left} | {right} | {ratio} |" for name, left, right, ratio in rows]
+    if result.cluster:
+        lines += ["", cluster_table(result)]
     if result.arena_leftovers:
         lines.append(f"\narena files left behind: {result.arena_leftovers}")
     return "\n".join(lines)
 
 
+def cluster_table(result: TtftResult) -> str:
+    """The ``--cluster`` round: each image once per server, the order rotating."""
+    to_local, speedup = result.cluster_ratios()
+    return "\n".join([
+        f"cluster round: {len(result.cluster_hit)} images, each asked once of each server "
+        f"(the first repeat round; the cluster server had never seen them: "
+        f"{result.cluster_fetched:g} fetched from the store, {result.cluster_saved:g} encoded; "
+        f"tokens identical to the no-connector server's: "
+        f"{'yes' if result.cluster_tokens_identical else 'NO'})",
+        "| time to first token | re-encoded (no connector) | local arena hit | cluster tier hit "
+        "| cluster / local | re-encoded / cluster |",
+        "|---|---|---|---|---|---|",
+        f"| repeated image | {_ms(result.cluster_plain)} | {_ms(result.cluster_local)} | "
+        f"{_ms(result.cluster_hit)} | {_x(to_local)} | {_x(speedup)} |",
+    ])  # fmt: skip
+
+
 def passed(result: TtftResult) -> bool:
     """Whether the run measured what it claims: every repeat from the arena, same tokens,
     one image's placeholders in every prompt, vLLM's encoder output the shape of the
-    item timed, nothing left in the arena folder."""
+    item timed, nothing left in the arena folder; with ``cluster``, :func:`cluster_measured`."""
     return (
         result.items_loaded == len(result.offload_repeat)
         and result.tokens_identical
         and set(result.placeholder_tokens) == {result.geometry["num_image_tokens"]}
         and result.embedding_shape == result.item_shape
         and not result.arena_leftovers
+        and (not result.cluster or cluster_measured(result))
+    )
+
+
+def cluster_measured(result: TtftResult) -> bool:
+    """Whether the cluster round measured cluster hits: every image of it fetched from
+    the store by the cluster server, none encoded there, the same tokens."""
+    return (
+        len(result.cluster_hit) == result.images
+        and result.cluster_fetched == result.images
+        and result.cluster_saved == 0
+        and result.cluster_tokens_identical
     )
 
 
@@ -454,7 +569,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="times each image repeats")
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--log-dir", help="keep the two servers' logs here")
+    parser.add_argument("--log-dir", help="keep the servers' logs here")
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="add a mooncake_master and a third server whose repeats are cluster hits",
+    )
     parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
     parser.add_argument(
         "--embed-seconds",
@@ -467,11 +587,11 @@ def main(argv: list[str] | None = None) -> int:
         timing = _embed_seconds_here(args.embed_seconds, args.embed_runs)
         print(json.dumps(timing), flush=True)
         return 0
-    print(f"Starting two vllm serve instances on the {args.vision} PaliGemma "
-          "(a minute or two each on a small CPU)...", flush=True)  # fmt: skip
+    print(f"Starting {3 if args.cluster else 2} vllm serve instances on the {args.vision} "
+          "PaliGemma (a minute or two each on a small CPU)...", flush=True)  # fmt: skip
     result = run(
         args.vision, images=args.images, rounds=args.rounds, max_tokens=args.max_tokens,
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, cluster=args.cluster,
     )  # fmt: skip
     print(json.dumps(asdict(result), indent=2) if args.json else "\n" + table(result))
     return 0 if passed(result) else 1

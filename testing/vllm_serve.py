@@ -83,14 +83,15 @@ def server_command(
     transfer: dict[str, Any] | None,
     extra: list[str] = (),
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """The README's command line: ``ecoffload-vllm serve <model> ...``.
+    """The README's command line: ``ecoffload-vllm serve <model> ...`` on ``host``.
 
     ``max_num_batched_tokens`` also sizes vLLM's encoder cache (two tiny images by
     default; pass two images' tokens of a larger model to keep two of those)."""
     cmd = [
         launcher_path(), "serve", model_dir,
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", host, "--port", str(port),
         "--served-model-name", SERVED_NAME,
         "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
         "--max-model-len", "1024", "--max-num-seqs", "2",
@@ -127,9 +128,11 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
 class Server:
     """One ``vllm serve`` process group on 127.0.0.1; a context manager that kills it."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log_path: str) -> None:
+    def __init__(
+        self, proc: subprocess.Popen, port: int, log_path: str, host: str = "127.0.0.1"
+    ) -> None:
         self.proc, self.port, self.log_path = proc, port, log_path
-        self.base_url = f"http://127.0.0.1:{port}"
+        self.base_url = f"http://{host}:{port}"
         # vLLM's shared-memory segments (Python's SharedMemory names them psm_*), 160-240
         # MiB each, as its processes held them once ready: vLLM unlinks them when it exits,
         # a killed server cannot, so close() removes the ones nobody holds any more.
@@ -151,25 +154,31 @@ class Server:
         nixl: dict[str, Any] | None = None,
         max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
         cluster: dict[str, Any] | None = None,
+        host: str = "127.0.0.1",
+        prefix: list[str] = (),
     ) -> Server:
         """Start the server and wait until ``/health`` answers (kills it on failure);
-        ``role``, ``nixl`` and ``cluster`` go into the connector's config."""
+        ``role``, ``nixl`` and ``cluster`` go into the connector's config. It listens
+        on ``host``; ``prefix`` goes before its command line and must exec it (e.g.
+        ``ip netns exec NS``: a server on another test host, see :mod:`.netns`)."""
         transfer = None
         if connector:
             arena_dir = arena_dir or "/dev/shm"
             arena_name = arena_name or f"ecoffload-serve-{uuid.uuid4().hex[:12]}"
             transfer = ec_transfer_config(arena_dir, arena_name=arena_name, role=role, nixl=nixl,
                                           cluster=cluster)  # fmt: skip
-        port = free_port()
+        port = free_port()  # (a fresh namespace listens on nothing: free there too)
         log_path = log_path or tempfile.mktemp(prefix="ecoffload-serve-", suffix=".log")
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                server_command(
+                list(prefix)
+                + server_command(
                     model_dir,
                     port,
                     transfer=transfer,
                     extra=extra_args,
                     max_num_batched_tokens=max_num_batched_tokens,
+                    host=host,
                 ),  # fmt: skip
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -178,7 +187,7 @@ class Server:
                 cwd=tempfile.gettempdir(),
                 start_new_session=True,  # its own process group: Ctrl-C and kill reach all
             )
-        server = cls(proc, port, log_path)
+        server = cls(proc, port, log_path, host)
         server.arena_path = os.path.join(arena_dir, arena_name) if connector else None
         try:
             server.wait_ready(timeout_s)

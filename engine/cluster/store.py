@@ -16,13 +16,23 @@
   again (Mooncake's client reconnects to a restarted master itself). While
   unavailable, calls are tried at most once per ``retry_s`` (the others are
   refused at once), so a dead master costs a step nothing.
+* Its address: Mooncake's TCP transport advertises the address of the first
+  active network interface it finds, not the ``host`` given to ``setup``; on a
+  host with several interfaces other clients then fetch from an address that
+  may not reach it (seen: a namespace host on a veth pair was told this host's
+  eth0 address and every fetch failed). Before ``setup`` the client sets
+  ``MC_TCP_BIND_ADDRESS`` to ``host`` (resolved to an address) unless the
+  environment sets it already.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import ipaddress
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +49,27 @@ log = logging.getLogger("ecoffload.cluster")
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900
 _MASTER_DOWN = range(-999, -899)  # RPC_FAIL and the other RPC errors
+
+
+#: Mooncake's setting of the address its TCP transport listens on and advertises.
+TCP_BIND_VAR = "MC_TCP_BIND_ADDRESS"
+_bind_set: str | None = None  # the value this process last gave it
+
+
+def tcp_bind_setting(environ: Any, protocol: str, host: str, ours: str | None = None) -> str | None:
+    """The value :data:`TCP_BIND_VAR` should get for a client at ``host``, or None to
+    leave it (another protocol, an operator's own setting: one other than ``ours``, the
+    value this process set for an earlier client; a name that does not resolve)."""
+    if protocol != "tcp" or environ.get(TCP_BIND_VAR, ours) != ours:
+        return None
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return None
 
 
 def load_store_class() -> Any:
@@ -150,6 +181,10 @@ class StoreClient:
             end = endpoint(address)
             if end is not None and not reachable(*end, timeout_s=1.0):
                 return f"the {what} at {address} accepts no connection"
+        global _bind_set
+        bind = tcp_bind_setting(os.environ, s.protocol, s.host, _bind_set)
+        if bind is not None:
+            os.environ[TCP_BIND_VAR] = _bind_set = bind  # setup reads it
         store = self._cls()
         rc = store.setup(s.host, s.metadata, s.segment_bytes, s.local_buffer_bytes, s.protocol,
                          "", s.master)  # fmt: skip

@@ -1,4 +1,5 @@
-"""bench_ttft's parts that need no server: its arena-load timing, its refusals, its verdict.
+"""bench_ttft's parts that need no server: its arena-load timing, its refusals, its verdict,
+and for ``--cluster`` the third column's verdict, ratios and table, and its master.
 
 The timer itself runs on a real stream in ``test_serve_vllm.py`` (it shares that
 file's server); the whole bench is ``python -m ecoffload.profiling.bench_ttft``.
@@ -10,6 +11,9 @@ from dataclasses import asdict
 
 import pytest
 
+from ecoffload.connector.config import ClusterConfig
+from ecoffload.engine.cluster.master import reachable
+from ecoffload.engine.cluster.store import store_missing
 from ecoffload.profiling import bench_ttft
 from ecoffload.testing.tiny_vlm import SIGLIP_BASE
 
@@ -73,3 +77,66 @@ def test_the_table_shows_the_ratio_of_each_pair():
         "| 4000.0 ms [4000.0 - 4000.0] | 500.0 ms [500.0 - 2000.0] | 8.00x [2.00 - 8.00] |" in text
     )
     assert "3000x (medians)" in text
+
+
+def with_cluster_round(**changes):
+    """A clean ``--cluster`` run: 3 images, each once on the cluster server, with ``changes``."""
+    result = measured(cluster=True, cluster_hit=[0.6, 0.5, 0.5], cluster_local=[0.5] * 3,
+                      cluster_plain=[4.0, 3.0, 2.0], cluster_fetched=3.0, cluster_saved=0.0,
+                      cluster_tokens_identical=True)  # fmt: skip
+    for name, value in changes.items():
+        setattr(result, name, value)
+    return result
+
+
+def test_a_clean_cluster_round_passes_and_its_ratios_pair_the_same_images():
+    result = with_cluster_round()
+    assert bench_ttft.passed(result)
+    to_local, speedup = result.cluster_ratios()
+    assert to_local == pytest.approx([1.2, 1.0, 1.0])
+    assert speedup == pytest.approx([4.0 / 0.6, 6.0, 4.0])
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"cluster_fetched": 2.0},  # one image came from somewhere else than the store
+        {"cluster_saved": 1.0},  # the cluster server's encoder ran
+        {"cluster_tokens_identical": False},
+        {"cluster_hit": [0.5, 0.5], "cluster_local": [0.5] * 2, "cluster_plain": [3.0] * 2},
+    ],
+    ids=["not-fetched", "encoded", "tokens-differ", "image-missing"],
+)
+def test_a_cluster_round_that_did_not_measure_cluster_hits_fails(changes):
+    assert not bench_ttft.passed(with_cluster_round(**changes))
+
+
+def test_the_cluster_table_sits_beside_the_others():
+    result = with_cluster_round()
+    result.encoder_seconds, result.arena_load_seconds = [3.0], [0.001]
+    result.load_average = [1.0, 2.0]
+    text = bench_ttft.table(result)
+    assert (
+        "| repeated image | 3000.0 ms [2000.0 - 4000.0] | 500.0 ms [500.0 - 500.0] | "
+        "500.0 ms [500.0 - 600.0] | 1.00x [1.00 - 1.20] | 6.00x [4.00 - 6.67] |" in text
+    )
+    assert "3 fetched from the store, 0 encoded" in text
+    plain_run = measured(encoder_seconds=[3.0], load_average=[1.0, 1.0])
+    assert "cluster tier hit" not in bench_ttft.table(plain_run)
+
+
+def test_the_order_rotates_over_every_server():
+    sides = ("plain", "offload", "cluster")
+    assert [bench_ttft.rotation(sides, t)[0] for t in range(4)] == [
+        "plain", "offload", "cluster", "plain"]  # fmt: skip
+    assert sorted(bench_ttft.rotation(sides, 5)) == sorted(sides)
+
+
+@pytest.mark.skipif(bool(store_missing()), reason=str(store_missing()))
+def test_the_cluster_tier_s_master_serves_the_run_and_is_gone_after(tmp_path):
+    with bench_ttft._cluster_tier(str(tmp_path)) as tier:
+        parsed = ClusterConfig.from_value(tier)  # what the servers' connectors accept
+        assert parsed is not None and parsed.master == tier["master"]
+        host, port = tier["master"].rsplit(":", 1)
+        assert reachable(host, int(port))
+    assert not reachable(host, int(port))
