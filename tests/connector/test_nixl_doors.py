@@ -4,8 +4,8 @@ The second host is a network namespace this test creates (as root): a veth
 pair joins it to this one, ``10.213.37.1`` here and ``10.213.37.2`` there, a
 private /30 that exists only inside this machine; the namespace has no other
 route, so its traffic goes only between those two addresses. Both are deleted
-at the module's end. Where namespaces are refused (not root, no ``ip``, a container
-without CAP_NET_ADMIN) these tests skip.
+at the module's end (``ecoffload.testing.netns``). Where namespaces are refused (not
+root, no ``ip``, a container without CAP_NET_ADMIN) these tests skip.
 
 * The stranger (``nixl_stranger.py`` in the namespace) knows the producer's and
   the consumer's agent names, every TCP port their process listens on, and
@@ -22,11 +22,9 @@ without CAP_NET_ADMIN) these tests skip.
 import json
 import mmap
 import os
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,16 +35,12 @@ from test_connector_nixl import admit, consumer_request, produce, step
 from vllm_harness import make_config, make_pair
 
 from ecoffload.engine.remote.nixl_setup import load_nixl, nixl_available
+from ecoffload.testing import netns
 
 pytestmark = pytest.mark.skipif(
     not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"
 )
-HERE, THERE = "10.213.37.1", "10.213.37.2"
 STRANGER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "nixl_stranger.py")
-
-
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -54,36 +48,12 @@ def second_host():
     """(namespace name, this host's address, its address); deleted afterwards. One per
     module: UCX reads the routes once, and a veth made again under the same name a
     moment later was at times "no route" to it."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("a second test host needs root and iproute2 (ip netns)")
-    tag = f"{os.getpid() % 100000}"
-    ns, here, there = f"ecoff-door-{tag}", f"ecd{tag}a", f"ecd{tag}b"
     try:
-        _ip("netns", "add", ns)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        pytest.skip(f"network namespaces are refused here: {getattr(exc, 'stderr', exc)}")
-    try:
-        _ip("link", "add", here, "type", "veth", "peer", "name", there)
-        _ip("link", "set", there, "netns", ns)
-        _ip("addr", "add", f"{HERE}/30", "dev", here)
-        _ip("link", "set", here, "up")
-        _ip("-n", ns, "addr", "add", f"{THERE}/30", "dev", there)
-        _ip("-n", ns, "link", "set", there, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        deadline = time.monotonic() + 10
-        while (
-            Path(f"/sys/class/net/{here}/operstate").read_text().strip() != "up"
-            or "linkdown" in _ip("-4", "route", "show", "dev", here).stdout
-            or "10.213.37.0/30" not in _ip("-4", "route", "show", "dev", here).stdout
-        ):  # UCX checks the route before it uses the interface
-            assert time.monotonic() < deadline, f"{here} never came up"
-            time.sleep(0.05)
-        time.sleep(0.5)  # and reads it through netlink: let the kernel settle
-        yield ns, HERE, THERE
-    finally:
-        _ip("netns", "del", ns, check=False)  # takes the veth pair with it
-        _ip("link", "del", here, check=False)
-    assert here not in _ip("-o", "link").stdout
+        with netns.second_host("ecoff-door", "10.213.37.0") as host:
+            yield host.ns, host.here, host.there
+    except netns.NoTestHost as exc:
+        pytest.skip(str(exc))
+    assert netns.leftovers(host) == []
 
 
 def listening(pid=None):
