@@ -71,9 +71,11 @@ def test_each_step_registers_only_below_the_ready_prefix_in_growing_spans(regist
 
 def test_the_registrar_thread_is_named_a_daemon_ends_when_done_and_stops_at_once(registrar):
     reg, r = registrar
-    r.start(lambda: 16 * C)
+    seen = threading.Event()  # nothing ready until the thread was seen: it cannot end first
+    r.start(lambda: 16 * C if seen.is_set() else 0)
     (thread,) = [t for t in threading.enumerate() if t.name == "ecoffload-register"]
     assert thread.daemon  # never keeps the interpreter alive
+    seen.set()
     thread.join(10)
     assert not thread.is_alive() and r.end == 16 * C  # done: the thread ends by itself
     idle = Registrar(reg, 16 * C, "/dev/shm/a", 4 * C)
