@@ -225,3 +225,20 @@ def test_the_hash_word_of_a_slot_never_indexes_past_the_buckets(tmp_path):
 @pytest.fixture(autouse=True)
 def _native_on(monkeypatch):
     monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")
+
+
+@pytest.mark.parametrize("mark", [3, -1, 23, 2**63 - 1], ids=lambda m: f"mark-{m}")
+def test_a_ready_item_whose_verification_mark_is_no_mark_is_freed_by_recovery(tmp_path, mark):
+    """A READY slot whose S_VERIFY word holds none of VERIFIED, UNVERIFIED, FAILED does
+    not parse: recovery frees it (as any slot that does not parse), so the catalog
+    checks after (found by the fuzzer damaging the verification words: recovery kept
+    the slot and its mark, and the check refused the rebuilt catalog)."""
+    c = healthy(tmp_path / "c", native=False)
+    c._w[words(c, "abcd") + S_VERIFY] = mark
+    c._seen.clear()  # a process that has not seen it READY
+    assert c.lookup("abcd") is None  # not served meanwhile: a miss
+    c.recover()
+    c.check()
+    assert "abcd" not in c and c.state("abcd") is None
+    assert c.lookup("z") is not None and c.state("b") is not None  # the others kept
+    c.close()
