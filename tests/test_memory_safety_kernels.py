@@ -8,13 +8,16 @@ built, and the Python passes (``native.planner`` answering None).
 """
 
 import pickle
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from ecoffload.kernels import ItemViews, LaunchConfig, PlanError, native, pack, plan_copy, unpack
-from ecoffload.kernels.api import triton_available
+from ecoffload.kernels.api import plan_batch, triton_available
+from ecoffload.kernels.block_copy import launch_block_copy
+from ecoffload.kernels.plan import CopyPlan
 from ecoffload.kernels.step_table import StepTable
 
 B = 4096
@@ -230,3 +233,104 @@ def test_an_item_views_buffer_that_lies_about_its_size_is_measured_by_torch(pass
     assert_poison_intact(buf, B)
     with pytest.raises(PlanError, match="the ItemViews' buffer must be a contiguous tensor"):
         unpack(arena, [[(0, 1)]], B, ItemViews([out], "not a tensor", [0], [B]))
+
+
+# --- launch_block_copy: a plan it is handed, against the buffers it is given -----------
+
+
+def _kernel_here() -> None:
+    if not triton_available(DEVICE):
+        pytest.skip("Triton cannot run here")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("direction", ["unpack", "pack"])
+def test_a_launch_refuses_a_plan_made_for_a_larger_arena(direction):
+    """A plan made for 4 blocks, launched on an arena of 2 (a view of a poisoned
+    buffer): refused by name before anything runs (it wrote past the arena)."""
+    _kernel_here()
+    item = torch.full((B,), 7, dtype=torch.uint8, device=DEVICE)
+    big = torch.zeros(4 * B, dtype=torch.uint8, device=DEVICE)
+    base, plan = plan_batch([item], [[(3, 1)]], big, B)
+    buf, arena = poisoned(2 * B)
+    with pytest.raises(ValueError) as caught:
+        launch_block_copy(base, arena, plan, to_arena=direction == "pack", num_warps=4)
+    assert str(caught.value) == (
+        f"the plan addresses the arena's bytes up to offset {4 * B}, the arena given holds "
+        f"{2 * B}: plan the copy against this arena (plan_batch)"
+    )
+    assert_poison_intact(buf, 2 * B)
+    assert (arena == POISON).all() and (item == 7).all()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("direction", ["unpack", "pack"])
+def test_a_launch_refuses_a_plan_whose_items_reach_past_the_items_memory(direction):
+    """A plan for two items' span launched with a base of one item (a view of a poisoned
+    buffer; no ``items_bytes`` vouching for the rest): refused (unpack wrote past it)."""
+    _kernel_here()
+    arena = torch.arange(4 * B, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+    arena_before = arena.clone()
+    items = torch.zeros(2 * B, dtype=torch.uint8, device=DEVICE)
+    _, plan = plan_batch([items[:B], items[B:]], [[(0, 1)], [(1, 1)]], arena, B)
+    buf, out = poisoned(B)
+    with pytest.raises(ValueError) as caught:
+        launch_block_copy(out, arena, plan, to_arena=direction == "pack", num_warps=4)
+    assert str(caught.value) == (
+        f"the plan addresses the items' bytes up to offset {2 * B} from the base, which "
+        f"holds {B} from there: pass items_bytes= for a batch of several tensors "
+        "(their span from the base), or plan the copy for these items (plan_batch)"
+    )
+    assert_poison_intact(buf, B)
+    assert (out == POISON).all() and torch.equal(arena, arena_before)
+    launch_block_copy(out, arena, plan._replace(num_programs=0), to_arena=False, num_warps=4)
+
+
+def _hand_made(rows: list[int], programs: list[int], vec: int = 1, tile: int = 64) -> CopyPlan:
+    """A CopyPlan built by hand (no planner's bounds recorded): its table is checked."""
+    table = torch.tensor(rows + programs, dtype=torch.int64)
+    segs = len(rows) // 4
+    tiles = 0
+    for k in range(segs):
+        n = rows[4 * k + 2]
+        tiles = rows[4 * k + 3] + -(-(n // vec * vec) // tile) + (n % vec != 0)
+    return CopyPlan(table, segs, len(programs) // 3, vec, tile, tiles, sum(rows[2::4]))
+
+
+HAND_MADE = {  # a hand-made plan, and what its check says
+    "arena-offset-past": ([0, 2 * B - 8, 16, 0], [0, 0, 1], "arena's bytes up to offset 8200"),
+    "negative-item-offset": ([-64, 0, 16, 0], [0, 0, 1], "a segment with a negative offset or"),
+    "negative-size": ([0, 0, -1, 0], [0, 0, 1], "a segment with a negative offset or"),
+    "program-past-the-tiles": ([0, 0, 16, 0], [0, 0, 5], "program 0 runs tiles [0, 5) of"),
+    "program-first-segment-past": ([0, 0, 16, 0], [1, 0, 1], "program 0 starts at segment 1 of"),
+    "first-tiles-out-of-order": ([0, 0, 16, 0, 16, 16, 16, 0], [0, 0, 2], "first tiles"),
+    "table-short": ([0, 0, 16, 0], [0, 0], "table holds 6 numbers"),
+}
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("case", list(HAND_MADE))
+def test_a_hand_made_plan_that_would_address_outside_the_buffers_is_refused(case):
+    _kernel_here()
+    rows, programs, message = HAND_MADE[case]
+    plan = _hand_made(rows, programs)
+    if case == "table-short":
+        plan = plan._replace(num_programs=1)
+    buf, arena = poisoned(2 * B)
+    items = torch.full((B,), 7, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        launch_block_copy(items, arena, plan, to_arena=True, num_warps=4)
+    assert_poison_intact(buf, 2 * B)
+    assert (arena == POISON).all()
+
+
+@pytest.mark.kernel
+def test_a_hand_made_plan_within_the_buffers_copies():
+    _kernel_here()
+    plan = _hand_made([0, B, 100, 0, 200, 3 * B, 30, 2], [0, 0, 1, 0, 1, 3])
+    items = torch.arange(B, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+    buf, arena = poisoned(4 * B)
+    launch_block_copy(items, arena, plan, to_arena=True, num_warps=4)
+    assert torch.equal(arena[B : B + 100], items[:100])
+    assert torch.equal(arena[3 * B : 3 * B + 30], items[200:230])
+    assert_poison_intact(buf, 4 * B)
