@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ecoffload.kernels import ItemViews, LaunchConfig, PlanError, native, pack, plan_copy, unpack
+from ecoffload.kernels import api as kernels_api
 from ecoffload.kernels.api import plan_batch, triton_available
 from ecoffload.kernels.block_copy import launch_block_copy
 from ecoffload.kernels.plan import CopyPlan
@@ -334,3 +335,109 @@ def test_a_hand_made_plan_within_the_buffers_copies():
     assert torch.equal(arena[B : B + 100], items[:100])
     assert torch.equal(arena[3 * B : 3 * B + 30], items[200:230])
     assert_poison_intact(buf, 4 * B)
+
+
+# --- pack / unpack's own refusals and paths, whole (mutants of issue 30's api.py) ------
+
+
+def test_pack_and_unpack_refusals_name_what_is_wrong(monkeypatch):
+    item = torch.zeros(B, dtype=torch.uint8)
+    arena = torch.zeros(4 * B, dtype=torch.uint8)
+    cases = [
+        (lambda: pack([item], [[(0, 1)], [(1, 1)]], arena, B),
+         "expected one block table per tensor, got 2 for 1"),
+        (lambda: pack([item], [[(0, 1)]], torch.zeros(4 * B // 8, dtype=torch.int64), B),
+         f"arena must be a flat uint8 tensor, got torch.int64 ({4 * B // 8},)"),
+        (lambda: pack([item], [[(0, 1)]], arena.view(4, B), B),
+         f"arena must be a flat uint8 tensor, got torch.uint8 (4, {B})"),
+        (lambda: pack([item], [[(0, 1)]], arena, B, backend="cuda"),
+         "backend must be 'auto', 'triton' or 'reference', got 'cuda'"),
+        (lambda: unpack(arena, [[(0, 1)]], B, ItemViews([item], "not a tensor", [0], [B])),
+         "the ItemViews' buffer must be a contiguous tensor, got str"),
+    ]  # fmt: skip
+    for call, message in cases:
+        with pytest.raises(PlanError) as caught:
+            call()
+        assert str(caught.value) == message
+    monkeypatch.setattr(kernels_api, "triton_available", lambda device: False)
+    with pytest.raises(PlanError) as caught:
+        pack([item], [[(0, 1)]], arena, B, backend="triton")
+    assert str(caught.value) == (
+        "the Triton kernel cannot run on cpu here (CUDA needed, or TRITON_INTERPRET=1 set "
+        "before importing ecoffload for CPU tensors); use backend='reference'"
+    )
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto-without-triton"])
+def test_the_reference_backend_packs_and_unpacks_bit_for_bit(monkeypatch, backend):
+    if backend != "reference":  # "auto" where Triton cannot run picks the reference copy
+        monkeypatch.setattr(kernels_api, "triton_available", lambda device: False)
+    chosen = "reference" if backend == "reference" else "auto"
+    items = [torch.arange(n, dtype=torch.int64).to(torch.uint8) for n in (100, B + 7, 1)]
+    tables = [[(3, 1)], [(0, 1), (5, 1)], [(7, 1)]]
+    arena = torch.full((8 * B,), POISON, dtype=torch.uint8)
+    pack(items, tables, arena, B, backend=chosen)
+    assert torch.equal(arena[3 * B : 3 * B + 100], items[0])
+    assert torch.equal(arena[:B], items[1][:B]) and torch.equal(
+        arena[5 * B : 5 * B + 7], items[1][B:]
+    )
+    assert arena[7 * B] == items[2][0] and (arena[B : 3 * B] == POISON).all()
+    outs = [torch.full_like(t, POISON) for t in items]
+    unpack(arena, tables, B, outs, backend=chosen)
+    assert all(torch.equal(o, t) for o, t in zip(outs, items, strict=True))
+
+
+@pytest.mark.kernel
+def test_every_tensor_of_a_batch_is_checked_for_the_arena_s_device():
+    _kernel_here()
+    arena = torch.zeros(4 * B, dtype=torch.uint8, device=DEVICE)
+    items = [torch.zeros(B, dtype=torch.uint8, device=DEVICE),
+             torch.zeros(B, dtype=torch.uint8, device="meta")]  # fmt: skip
+    with pytest.raises(
+        PlanError, match=f"tensor 1 is on meta, expected the arena's device {DEVICE}"
+    ):
+        pack(items, [[(0, 1)], [(1, 1)]], arena, B, backend="triton")
+
+
+@pytest.mark.parametrize("side", ["items", "arena"])
+def test_the_python_passes_plan_the_access_width_from_absolute_addresses(side):
+    """Where the C planner is not asked (the copy-engine split), the plan's width still
+    divides every absolute address: a base one byte off gives width 1."""
+    buf = torch.zeros(8 * B + 16, dtype=torch.uint8)
+    item = buf[1 : 1 + 64] if side == "items" else buf[:64]
+    arena = buf[16 : 16 + 4 * B] if side == "items" else buf[1 : 1 + 4 * B]
+    config = LaunchConfig(num_programs=1, num_warps=4, dma_min_bytes=1 << 30)
+    base, plan = plan_batch([item], [[(1, 1)]], arena, B, config=config)
+    assert base.data_ptr() == item.data_ptr() and plan.vec_bytes == 1
+    aligned = LaunchConfig(num_programs=1, num_warps=4, dma_min_bytes=1 << 30)
+    _, wide = plan_batch([buf[:64]], [[(1, 1)]], buf[: 4 * B], B, config=aligned)
+    assert wide.vec_bytes == 16
+
+
+@pytest.mark.parametrize("planner", ["c-pass", "python"])
+def test_a_batch_of_empty_tensors_plans_nothing_whichever_pass(monkeypatch, planner):
+    if planner == "python":
+        monkeypatch.setattr(native, "planner", lambda: None)
+    arena = torch.full((2 * B,), POISON, dtype=torch.uint8)
+    empty = [torch.zeros(0, dtype=torch.uint8), torch.zeros(0, 3)]
+    for config in (LaunchConfig(num_programs=1, num_warps=4),
+                   LaunchConfig(num_programs=1, num_warps=4, dma_min_bytes=1 << 30)):  # fmt: skip
+        base, plan = plan_batch(empty, [[], []], arena, B, config=config)
+        assert base is None and plan.num_segments == 0 and plan.nbytes == 0
+    pack(empty, [[], []], arena, B, backend="reference")
+    assert (arena == POISON).all()
+
+
+class Honest(torch.Tensor):
+    """A tensor subclass that changes nothing."""
+
+
+@pytest.mark.kernel
+def test_an_item_views_buffer_of_a_subclass_is_copied_through_a_plain_view():
+    _kernel_here()
+    arena = torch.full((4 * B,), POISON, dtype=torch.uint8, device=DEVICE)
+    data = torch.arange(2 * B, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+    views = ItemViews([data[:B], data[B:]], data.as_subclass(Honest), [0, B], [B, B])
+    pack(views, [[(2, 1)], [(0, 1)]], arena, B, backend="triton")
+    assert torch.equal(arena[2 * B : 3 * B], data[:B]) and torch.equal(arena[:B], data[B:])
+    assert (arena[B : 2 * B] == POISON).all() and (arena[3 * B :] == POISON).all()
