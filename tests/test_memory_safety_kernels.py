@@ -294,7 +294,7 @@ def _hand_made(rows: list[int], programs: list[int], vec: int = 1, tile: int = 6
     tiles = 0
     for k in range(segs):
         n = rows[4 * k + 2]
-        tiles = rows[4 * k + 3] + -(-(n // vec * vec) // tile) + (n % vec != 0)
+        tiles = rows[4 * k + 3] + -(-(n // vec * vec) // max(tile, 1)) + (n % vec != 0)
     return CopyPlan(table, segs, len(programs) // 3, vec, tile, tiles, sum(rows[2::4]))
 
 
@@ -441,3 +441,99 @@ def test_an_item_views_buffer_of_a_subclass_is_copied_through_a_plain_view():
     pack(views, [[(2, 1)], [(0, 1)]], arena, B, backend="triton")
     assert torch.equal(arena[2 * B : 3 * B], data[:B]) and torch.equal(arena[:B], data[B:])
     assert (arena[B : 2 * B] == POISON).all() and (arena[3 * B :] == POISON).all()
+
+
+# --- plan_reach: a hand-made plan's table, number by number ----------------------------
+
+
+def _reach(rows, programs, vec=1, tile=64, items_base=0, arena_base=0, table_size=None):
+    from ecoffload.kernels.block_copy import plan_reach
+
+    plan = _hand_made(rows, programs, vec, tile)
+    if table_size is not None:
+        plan = plan._replace(table=plan.table[:table_size])
+    return plan_reach(plan, items_base, arena_base)
+
+
+def test_plan_reach_of_valid_hand_made_plans():
+    assert _reach([], [0, 0, 0]) == (0, 0)  # no segment: an empty program
+    assert _reach([], [5, 0, 0]) == (0, 0)  # an empty program names no segment
+    # three segments, a 16-byte width, tails (100 = 6 * 16 + 4), tile 64: tiles 0-2, 3-4, 5
+    rows = [0, 4096, 100, 0, 112, 8192, 80, 3, 208, 48, 16, 5]
+    assert _reach(rows, [0, 0, 3, 1, 3, 6], vec=16) == (224, 8272)
+    assert _reach(rows, [0, 0, 6], vec=16, items_base=32, arena_base=4096) == (224, 8272)
+    assert _reach([0, 0, 10, 0], [0, 0, 10], tile=1) == (10, 10)  # one-byte tiles
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (dict(rows=[0, 0, 16, 0, 16, 16, 16, 1], programs=[0, 0, 2], table_size=10),
+         "a plan of 2 segments and 1 programs (width 1, tile 64 bytes) whose table holds 10 "
+         "numbers: expected 11, a width of (1, 2, 4, 8, 16) dividing the tile: use plan_copy "
+         "or plan_batch"),
+        (dict(rows=[0, 0, 16, 0], programs=[0, 0, 1], tile=0),
+         "a plan of 1 segments and 1 programs (width 1, tile 0 bytes) whose table holds 7 "
+         "numbers: expected 7, a width of (1, 2, 4, 8, 16) dividing the tile: use plan_copy "
+         "or plan_batch"),
+        (dict(rows=[0, 0, 16, 0], programs=[0, 0, 1], vec=16, tile=24), "(width 16, tile 24"),
+        (dict(rows=[0, 0, 16, 0], programs=[0, 0, 1], vec=3, tile=64), "(width 3, tile 64"),
+        (dict(rows=[0, -16, 16, 0], programs=[0, 0, 1]),
+         "a segment with a negative offset or size: use plan_copy or plan_batch"),
+        (dict(rows=[0, 0, 16, 1], programs=[0, 1, 2]),
+         "segment rows whose first tiles do not follow each other from 0: use plan_copy or "
+         "plan_batch"),
+        (dict(rows=[0, 0, 16, 0, 16, 16, 16, 1, 32, 32, 16, 3], programs=[0, 0, 4]),
+         "segment rows whose first tiles do not follow each other from 0"),
+        (dict(rows=[0, 0, 16, 0], programs=[0, 0, 0, 7, 0, 1]),
+         "program 1 starts at segment 7 of 1: use plan_copy"),
+        (dict(rows=[0, 0, 128, 0, 128, 128, 16, 2], programs=[0, 2, 3]),
+         "program 0 runs tiles [2, 3) of 3, from segment 0's [0, 2): use plan_copy"),
+        (dict(rows=[4, 0, 16, 0], programs=[0, 0, 1], vec=16, tile=64, items_base=4),
+         "a segment whose address the width 16 does not divide: use plan_copy"),
+        (dict(rows=[0, 4, 16, 0], programs=[0, 0, 1], vec=16, tile=64, arena_base=4),
+         "a segment whose address the width 16 does not divide: use plan_copy"),
+        (dict(rows=[1, 0, 16, 0], programs=[0, 0, 1], vec=16, tile=64),
+         "a segment whose address the width 16 does not divide"),
+    ],
+    ids=["table-size", "tile-0", "tile-not-a-multiple", "width-3", "negative-arena-offset",
+         "first-tile-not-0", "third-segment-out-of-order", "empty-then-bad-program",
+         "program-begins-past-its-segment", "items-base-misaligned", "arena-base-misaligned",
+         "item-offset-misaligned"],
+)  # fmt: skip
+def test_plan_reach_refuses_a_table_the_kernel_would_walk_outside_of(case, message):
+    with pytest.raises(ValueError) as caught:
+        _reach(**case)
+    assert message in str(caught.value)
+
+
+def test_a_launch_names_bad_devices_and_warps_and_checks_a_half_recorded_plan():
+    item = torch.zeros(B, dtype=torch.uint8)
+    arena = torch.zeros(4 * B, dtype=torch.uint8)
+    _, plan = plan_batch([item], [[(1, 1)]], arena, B)
+    meta = torch.zeros(4 * B, dtype=torch.uint8, device="meta")
+    for kwargs, message in (
+        (dict(items=item, arena=meta, num_warps=4),
+         "items are on cpu but the arena is on meta"),
+        (dict(items=item, arena=arena, num_warps=0), "num_warps must be positive, got 0"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError) as caught:
+            launch_block_copy(plan=plan, to_arena=True, **kwargs)
+        assert str(caught.value) == message
+    bad = _hand_made([0, 8 * B, 16, 0], [0, 0, 1])._replace(arena_bytes=4 * B)  # items: -1
+    with pytest.raises(ValueError, match="arena's bytes up to offset 32784"):
+        launch_block_copy(item, arena, bad, to_arena=True, num_warps=4)
+    bad = _hand_made([0, 8 * B, 16, 0], [0, 0, 1])._replace(items_bytes=B)  # arena: -1
+    with pytest.raises(ValueError, match="arena's bytes up to offset 32784"):
+        launch_block_copy(item, arena, bad, to_arena=True, num_warps=4)
+
+
+@pytest.mark.kernel
+def test_a_launch_of_one_warp_runs():
+    _kernel_here()
+    item = torch.arange(B, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+    buf, arena = poisoned(4 * B)
+    base, plan = plan_batch([item], [[(1, 1)]], arena, B)
+    launch_block_copy(base, arena, plan, to_arena=True, num_warps=1, items_bytes=B)
+    assert torch.equal(arena[B : 2 * B], item)
+    assert_poison_intact(buf, 4 * B)
