@@ -537,3 +537,44 @@ def test_a_launch_of_one_warp_runs():
     launch_block_copy(base, arena, plan, to_arena=True, num_warps=1, items_bytes=B)
     assert torch.equal(arena[B : 2 * B], item)
     assert_poison_intact(buf, 4 * B)
+
+
+# --- plan_copy's own checks and defaults, whole (mutants of issue 30's plan.py) --------
+
+
+def test_a_step_table_is_planned_by_the_c_pass_alone(monkeypatch):
+    """With the C pass loaded, a StepTable is planned in C, its arrays read through the
+    buffer protocol: no Python pass runs (they would give the same plan, slower)."""
+    from ecoffload.kernels import plan as plan_module
+
+    if native.planner() is None:
+        pytest.skip("the planner's C pass is not built on this host")
+    step = StepTable.from_tables([[(2, 1)], [(0, 2)]])
+    kw = dict(block_bytes=B, arena_bytes=4 * B, items_bytes=3 * B, tile_bytes=1024,
+              items_base=4096, arena_base=8192, num_programs=3)  # fmt: skip
+    want = plan_copy([0, B], [B, 2 * B], step, **kw)
+    for name in ("_segments_arrays", "_segments_vectorised", "_segments_small", "_segments_loop"):
+        monkeypatch.setattr(plan_module, name, lambda *a: pytest.fail("planned in Python"))
+    got = plan_copy([0, B], [B, 2 * B], step, **kw)
+    assert got.table.tolist() == want.table.tolist() and got[1:] == want[1:]
+    assert (got.num_segments, got.num_programs, got.tile_bytes, got.nbytes) == (2, 3, 1024, 3 * B)
+
+
+def test_plan_copy_s_defaults_and_edges_in_the_python_passes(monkeypatch):
+    monkeypatch.setattr(native, "planner", lambda: None)
+    plan = plan_copy([0], [B], [[(1, 1)]], block_bytes=B, arena_bytes=4 * B, items_bytes=B)
+    assert (plan.tile_bytes, plan.num_programs) == (16384, 1)
+    one = plan_copy([0], [3], [[(1, 1)]], block_bytes=B, arena_bytes=4 * B, items_bytes=3,
+                    tile_bytes=1)  # fmt: skip
+    assert (one.tile_bytes, one.nbytes) == (1, 3)
+    empty = plan_copy([], [], [], block_bytes=B, arena_bytes=0, items_bytes=0)
+    assert empty.num_segments == 0 and empty.arena_bytes == 0
+    top = 2**63 - 1
+    edge = plan_copy([], [], [], block_bytes=1, arena_bytes=top, items_bytes=top)
+    assert (edge.arena_bytes, edge.items_bytes) == (top, top)
+    with pytest.raises(PlanError) as caught:
+        plan_copy([], [], [], block_bytes=1, arena_bytes=top + 1, items_bytes=0)
+    assert str(caught.value) == (
+        f"an arena of {top + 1} bytes or items buffer of 0: past int64, which the launch "
+        "table's offsets are"
+    )
