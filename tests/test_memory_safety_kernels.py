@@ -435,12 +435,12 @@ class Honest(torch.Tensor):
 @pytest.mark.kernel
 def test_an_item_views_buffer_of_a_subclass_is_copied_through_a_plain_view():
     _kernel_here()
-    arena = torch.full((4 * B,), POISON, dtype=torch.uint8, device=DEVICE)
-    data = torch.arange(2 * B, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+    arena = torch.arange(4 * B, dtype=torch.int64, device=DEVICE).to(torch.uint8)
+    buf, data = poisoned(2 * B)
     views = ItemViews([data[:B], data[B:]], data.as_subclass(Honest), [0, B], [B, B])
-    pack(views, [[(2, 1)], [(0, 1)]], arena, B, backend="triton")
-    assert torch.equal(arena[2 * B : 3 * B], data[:B]) and torch.equal(arena[:B], data[B:])
-    assert (arena[B : 2 * B] == POISON).all() and (arena[3 * B :] == POISON).all()
+    unpack(arena, [[(2, 1)], [(0, 1)]], B, views, backend="triton")  # ItemViews kept whole
+    assert torch.equal(data[:B], arena[2 * B : 3 * B]) and torch.equal(data[B:], arena[:B])
+    assert_poison_intact(buf, 2 * B)
 
 
 # --- plan_reach: a hand-made plan's table, number by number ----------------------------
