@@ -34,7 +34,9 @@ from ecoffload.engine.catalog.shared.format import (
     S_EXT,
     S_HASH,
     S_HNEXT,
+    S_NEXT,
     S_PIN_HEAD,
+    S_PREV,
     S_VERIFY,
     SLOT_WORDS,
     UNVERIFIED,
@@ -180,6 +182,26 @@ CASES = {  # damage, and the operations that must not follow it
         "reserve-same-bucket": lambda c: lambda: c.reserve(same_bucket(c, "z"), B),
     }),
 }  # fmt: skip
+
+
+def lru_word(key: str, word: int, value: int):
+    """Damage: slot ``key``'s LRU link ``word`` set to ``value``."""
+    return lambda c: c._w.__setitem__(words(c, key) + word, value)
+
+
+# LRU links one past the table or below -1, each where an operation reads it: an eviction
+# unlinks the tail "z", a lookup relinks the head "abcd", a commit appends after the tail
+for value in (MAX_ITEMS, -2):
+    for word, name in ((S_PREV, "prev"), (S_NEXT, "next")):
+        CASES[f"lru-{name}-of-the-tail-at-{value}"] = (lru_word("z", word, value), {
+            "evict": lambda c: lambda: c.evict("z")})  # fmt: skip
+        CASES[f"lru-{name}-of-the-head-at-{value}"] = (lru_word("abcd", word, value), {
+            "lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))})  # fmt: skip
+    CASES[f"lru-tail-at-{value}"] = (
+        lambda c, value=value: c._w.__setitem__(H_LRU_TAIL, value),
+        {"commit": lambda c: lambda: c.commit("w"),
+         "lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))},
+    )  # fmt: skip
 RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
 
 
