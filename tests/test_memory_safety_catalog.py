@@ -202,6 +202,19 @@ for value in (MAX_ITEMS, -2):
         {"commit": lambda c: lambda: c.commit("w"),
          "lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))},
     )  # fmt: skip
+# links to slot 0 ("abcd"), which does not link back: the boundary of each link's test
+CASES["lru-prev-of-the-tail-at-slot-0"] = (
+    lambda c: c._w.__setitem__(words(c, "z") + S_PREV, slot(c, "abcd")),
+    {"evict": lambda c: lambda: c.evict("z")},
+)
+CASES["lru-next-of-the-head-at-slot-0"] = (
+    lambda c: c._w.__setitem__(words(c, "abcd") + S_NEXT, slot(c, "abcd")),
+    {"lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))},
+)
+CASES["lru-tail-s-successor-slot-0"] = (
+    lambda c: c._w.__setitem__(words(c, "z") + S_NEXT, slot(c, "abcd")),
+    {"commit": lambda c: lambda: c.commit("w")},
+)
 RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
 
 
