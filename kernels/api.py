@@ -305,7 +305,9 @@ def _run(
     if plan.dma:
         _copy_engine(plan.dma, tensors, offsets, arena, to_arena=to_arena)
     if base is not None:
-        launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps)
+        # the plan's item span: these tensors' own, from which _plan made it
+        launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps,
+                          items_bytes=plan.items_bytes)  # fmt: skip
 
 
 def _copy_engine(
@@ -362,12 +364,20 @@ def _plan(
             base = _plain_byte_view(base)
     else:
         tensors = list(tensors)
-        c_pass = native.planner() if config.dma_min_bytes is None else None
-        if c_pass is not None:  # the usual step: both passes in C, no Python between them
-            planned = _plan_in_c(c_pass, tensors, tables, arena, block_bytes, config)
-            if planned is not None:
-                return planned
-        base, offsets, nbytes, span = _item_layout(tensors)
+        c_pass = native.planner()
+        found = c_pass.item_layout(tensors) if c_pass is not None else None
+        if found is None:  # the long way, which names what is wrong
+            base, offsets, nbytes, span = _python_item_layout(tensors)
+        else:
+            lowest, offsets, nbytes, span = found
+            base = _byte_view_of(tensors[lowest]) if lowest >= 0 else None
+            if config.dma_min_bytes is None:  # the usual step: both passes in C
+                plan = plan_in_c(c_pass, offsets, nbytes, tables, block_bytes, arena.numel(),
+                                 span, config.tile_bytes,
+                                 base.data_ptr() if base is not None else 0, arena.data_ptr(),
+                                 config.num_programs)  # fmt: skip
+                if plan is not None:
+                    return base, offsets, plan
     plan = plan_copy(
         offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
         items_bytes=span, tile_bytes=config.tile_bytes, num_programs=config.num_programs,
@@ -377,27 +387,6 @@ def _plan(
     return base, offsets, plan
 
 
-def _plan_in_c(
-    c_pass,
-    tensors: list[torch.Tensor],
-    tables: Tables,
-    arena: torch.Tensor,
-    block_bytes: int,
-    config: LaunchConfig,
-) -> tuple[torch.Tensor | None, list[int], CopyPlan] | None:
-    """:func:`_plan`'s answer from the C pass alone, or None where it declines (then
-    :func:`_plan` goes the long way, which names what is wrong)."""
-    found = c_pass.item_layout(tensors)
-    if found is None:
-        return None
-    lowest, offsets, nbytes, span = found
-    base = _byte_view_of(tensors[lowest]) if lowest >= 0 else None
-    plan = plan_in_c(c_pass, offsets, nbytes, tables, block_bytes, arena.numel(), span,
-                     config.tile_bytes, base.data_ptr() if base is not None else 0,
-                     arena.data_ptr(), config.num_programs)  # fmt: skip
-    return None if plan is None else (base, offsets, plan)
-
-
 def _item_layout(
     tensors: list[torch.Tensor],
 ) -> tuple[torch.Tensor | None, list[int], list[int], int]:
@@ -405,13 +394,20 @@ def _item_layout(
     uint8 tensor, each item's byte offset from it and byte size, and the bytes
     from base to the end of the highest item. The C pass computes the numbers
     when it is loaded (three method calls per tensor are most of a step's host
-    cost); these lines do where it is not, and name what is wrong."""
+    cost); :func:`_python_item_layout` where it is not or declines (:func:`_plan`
+    asks the C pass itself, once)."""
     c_pass = native.planner()
     found = c_pass.item_layout(tensors) if c_pass is not None else None
-    if found is not None:
-        lowest, offsets, sizes, span = found
-        base = _byte_view_of(tensors[lowest]) if lowest >= 0 else None
-        return base, offsets, sizes, span
+    if found is None:
+        return _python_item_layout(tensors)
+    lowest, offsets, sizes, span = found
+    return (_byte_view_of(tensors[lowest]) if lowest >= 0 else None), offsets, sizes, span
+
+
+def _python_item_layout(
+    tensors: list[torch.Tensor],
+) -> tuple[torch.Tensor | None, list[int], list[int], int]:
+    """:func:`_item_layout`'s numbers in Python, naming what is wrong."""
     # torch.Tensor's own accessors with torch functions off: a subclass (its properties,
     # its __torch_function__) or a mode could otherwise answer more bytes than there are.
     with _no_torch_functions():  # (a TypeError for what is no tensor)

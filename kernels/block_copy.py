@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import CopyPlan
+from .plan import VEC_WIDTHS, CopyPlan
 
 
 class KernelVariant(NamedTuple):
@@ -94,6 +94,7 @@ def launch_block_copy(
     *,
     to_arena: bool,
     num_warps: int,
+    items_bytes: int | None = None,
 ) -> None:
     """Run one planned copy; ``items`` and ``arena`` are contiguous uint8 tensors on one
     device (``arena`` flat).
@@ -102,9 +103,15 @@ def launch_block_copy(
     and device are read, so any shape will do (the engine passes the lowest
     item viewed as uint8, not flattened: one torch call less per step), and
     the segments may address bytes past its end (other tensors of the batch on
-    the same device). The grid is the plan's program count. On CUDA the launch
-    table goes up from page-locked memory (:func:`upload_table`): the host
-    never waits.
+    the same device) up to ``items_bytes``, the batch's span from the base that
+    the caller vouches for (None: the base's own bytes). The grid is the plan's
+    program count. On CUDA the launch table goes up from page-locked memory
+    (:func:`upload_table`): the host never waits.
+
+    Refused (ValueError) before anything runs: a plan that addresses more of the
+    arena, or of the items, than given. A plan from the planner carries the sizes
+    it checked every segment against (two compares here); one built by hand has
+    its table checked whole (:func:`plan_reach`).
     """
     if items.dtype != torch.uint8 or not items.is_contiguous():
         raise ValueError(
@@ -120,6 +127,23 @@ def launch_block_copy(
         raise ValueError(f"num_warps must be positive, got {num_warps}")
     if plan.num_programs == 0:
         return
+    items_reach, arena_reach = plan.items_bytes, plan.arena_bytes
+    if items_reach < 0 or arena_reach < 0:  # not the planner's: its table says
+        items_reach, arena_reach = plan_reach(plan, items.data_ptr(), arena.data_ptr())
+    if arena_reach > arena.numel():
+        raise ValueError(
+            f"the plan addresses the arena's bytes up to offset {arena_reach}, the arena "
+            f"given holds {arena.numel()}: plan the copy against this arena (plan_batch)"
+        )
+    if items_bytes is None:  # the base's own bytes
+        items_bytes = items.numel()
+    if items_reach > items_bytes:
+        raise ValueError(
+            f"the plan addresses the items' bytes up to offset {items_reach} from the base, "
+            f"which holds {items_bytes} from there: pass items_bytes= for a batch of "
+            "several tensors (their span from the base), or plan the copy for these items "
+            "(plan_batch)"
+        )
     table = plan.table
     if table.device != arena.device:
         table = upload_table(table, arena.device)
@@ -129,6 +153,45 @@ def launch_block_copy(
         TO_ARENA=to_arena, VEC=plan.vec_bytes, TILE_BYTES=plan.tile_bytes,
         num_warps=num_warps,  # pyright: ignore[reportCallIssue]  (a launch option Triton's types omit)
     )  # fmt: skip
+
+
+def plan_reach(plan: CopyPlan, items_base: int, arena_base: int) -> tuple[int, int]:
+    """(items bytes, arena bytes) a plan built by hand addresses: the highest end of a
+    segment on each side, once its table is checked to be one the kernel walks within:
+    rows and programs as many as the plan says, no negative offset or size, first tiles
+    in order, each program's tiles within its first segment's and the plan's, the access
+    width dividing every absolute address. ValueError (what is wrong) otherwise."""
+    s, p, vec, tile = plan.num_segments, plan.num_programs, plan.vec_bytes, plan.tile_bytes
+    table = plan.table.cpu().numpy()
+    if table.size != 4 * s + 3 * p or vec not in VEC_WIDTHS or tile <= 0 or tile % vec:
+        raise ValueError(
+            f"a plan of {s} segments and {p} programs (width {vec}, tile {tile} bytes) whose "
+            f"table holds {table.size} numbers: expected {4 * s + 3 * p}, a width of "
+            f"{VEC_WIDTHS} dividing the tile: use plan_copy or plan_batch"
+        )
+    seg, prog = table[: 4 * s].reshape(s, 4), table[4 * s :].reshape(p, 3)
+    item_off, arena_off, nbytes, first = seg.T
+    if s and (min(item_off.min(), arena_off.min(), nbytes.min()) < 0):
+        raise ValueError("a segment with a negative offset or size: use plan_copy or plan_batch")
+    n_vec = nbytes // vec * vec
+    ends = first + -(-n_vec // tile) + (n_vec < nbytes)  # each segment's tiles end there
+    tiles = int(ends[-1]) if s else 0
+    if s and (first[0] != 0 or (first[1:] != ends[:-1]).any()):
+        raise ValueError("segment rows whose first tiles do not follow each other from 0: "
+                         "use plan_copy or plan_batch")  # fmt: skip
+    for k, (at, begin, end) in enumerate(prog.tolist()):
+        if begin >= end:
+            continue
+        if not 0 <= at < s:
+            raise ValueError(f"program {k} starts at segment {at} of {s}: use plan_copy")
+        if not first[at] <= begin < ends[at] or end > tiles:
+            raise ValueError(f"program {k} runs tiles [{begin}, {end}) of {tiles}, from segment "
+                             f"{at}'s [{first[at]}, {ends[at]}): use plan_copy")  # fmt: skip
+    if s and (((item_off + items_base) % vec).any() or ((arena_off + arena_base) % vec).any()):
+        raise ValueError(f"a segment whose address the width {vec} does not divide: use plan_copy")
+    if not s:
+        return 0, 0
+    return int((item_off + nbytes).max()), int((arena_off + nbytes).max())
 
 
 def upload_table(table: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -86,6 +86,10 @@ class CopyPlan(NamedTuple):
     # Segments long enough for the copy engine: (item_offset, arena_offset, nbytes),
     # not in the table (see ``dma_min_bytes``).
     dma: tuple[tuple[int, int, int], ...] = ()
+    # The sizes the planner checked every segment against (items buffer, arena); -1: a
+    # plan built by hand, whose table the launch checks instead (launch_block_copy).
+    items_bytes: int = -1
+    arena_bytes: int = -1
 
     @property
     def segments(self) -> torch.Tensor:
@@ -186,7 +190,7 @@ def plan_copy(
         flat = array("q", flat + program_rows)
     table = _int64_tensor(flat)
     return CopyPlan(table, len(first_tiles), programs, vec, tile_bytes, num_tiles, total,
-                    tuple(dma))  # fmt: skip
+                    tuple(dma), items_bytes, arena_bytes)  # fmt: skip
 
 
 def plan_in_c(c_pass, item_offsets, item_nbytes, tables, block_bytes, arena_bytes, items_bytes,
@@ -210,7 +214,7 @@ def plan_in_c(c_pass, item_offsets, item_nbytes, tables, block_bytes, arena_byte
         return None
     rows, num_segments, programs, vec, num_tiles, total = planned
     return CopyPlan(_int64_tensor(rows), num_segments, programs, vec, tile_bytes, num_tiles,
-                    total)  # fmt: skip
+                    total, (), items_bytes, arena_bytes)  # fmt: skip
 
 
 def _int64_tensor(buffer: array | bytearray) -> torch.Tensor:

@@ -530,7 +530,8 @@ def prebuilt_launch(
 
     def launch() -> None:
         with torch.cuda.stream(stream) if stream is not None else _null():
-            launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps)
+            launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps,
+                              items_bytes=plan.items_bytes)  # fmt: skip
 
     return launch
 

@@ -15,13 +15,23 @@ below (derandomized hypothesis, CI=1, fewer examples: ECOFFLOAD_MUTATION=1),
 and this script prints the kill rate,
 the time taken and every survivor (``mutmut show NAME`` inside the staging
 folder prints its diff). Results are kept in ``.mutate/`` (git-ignored).
+
+``--changed-since REV`` runs only the mutants of the functions and methods that
+``git diff -M REV HEAD`` touches in each module (a line of theirs added, changed or
+removed; every function of a module new since REV): mutmut 3's ``mutmut run`` takes
+the names as globs (``ecoffload.kernels.plan.x_plan_copy__mutmut_*``), and the
+rate printed is over those mutants alone. The module's other functions keep their
+earlier measurement only while no test of their list was removed since.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import fnmatch
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -164,6 +174,8 @@ SHARED_CATALOG_FILES = [
     f"{SHARED_TESTS}/test_shared_catalog_reads.py",
     # 30 examples under ECOFFLOAD_MUTATION (150 in CI)
     f"{SHARED_TESTS}/test_shared_catalog_stateful.py",
+    # one corrupt word each, in a child with a deadline
+    f"{SHARED_TESTS}/test_memory_safety_catalog.py",
 ]
 # The shared catalog's multi-second tests (other processes started, or a timed wait):
 # mutmut runs every test that calls a mutated function until one fails, so a survivor
@@ -204,6 +216,30 @@ MODULES: dict[str, list[str]] = {
         "tests/kernels/test_dma_split.py",
         "tests/fuzz/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
         "tests/kernels/test_block_copy.py",
+        "tests/kernels/test_memory_safety_kernels.py",
+        "tests/kernels/test_step_table.py",
+    ],
+    # the step arrays' checks (issue 30): constructors, unpickling, the planner's reading
+    "kernels/step_table.py": [
+        "tests/kernels/test_step_table.py",
+        "tests/kernels/test_memory_safety_kernels.py",
+        "tests/kernels/test_plan_native.py",
+        "tests/kernels/test_plan.py",
+    ],
+    # pack / unpack / plan_batch: the item layout, the launch (interpreted on CPU)
+    "kernels/api.py": [
+        "tests/kernels/test_memory_safety_kernels.py",
+        "tests/kernels/test_plan_native.py",
+        "tests/kernels/test_block_copy.py",
+        "tests/kernels/test_plan_alignment.py",
+        "tests/kernels/test_empty_items.py",
+        "tests/kernels/test_dma_split.py",
+        "tests/kernels/test_fast_pass.py",
+    ],
+    "kernels/block_copy.py": [
+        "tests/kernels/test_memory_safety_kernels.py",
+        "tests/kernels/test_block_copy.py",
+        "tests/profiling/test_bench.py",
     ],
     "kernels/native.py": [
         "tests/kernels/test_plan_native.py",
@@ -230,7 +266,7 @@ MODULES: dict[str, list[str]] = {
         "tests/kernels/test_kernel_variants.py::test_a_cuda_mover_warms_up_when_it_is_created",
     ],
     "connector/scheduler_side.py": CONNECTOR_TESTS,
-    "connector/worker_side.py": CONNECTOR_TESTS,
+    "connector/worker_side.py": [*CONNECTOR_TESTS, "tests/connector/test_memory_safety_worker.py"],
     # the modules of issue 22's split (arena.py, shared_catalog.py before it)
     **{f"engine/{name}.py": arena_tests(name) for name in ARENA_MODULES},
     "engine/arena/janitor.py": JANITOR_TESTS,
@@ -310,8 +346,47 @@ def stage(module: str, fast_only: bool = False) -> Path:
     return root
 
 
-def run(module: str, children: int, fast_only: bool = False) -> dict:
+def changed_functions(module: str, since: str) -> list[str]:
+    """mutmut's keys (``x_name``, ``xǁClassǁname``) of the top-level functions and methods
+    of ``module`` at HEAD that ``git diff -M since HEAD`` touches: a line of theirs added
+    or changed, or lines removed between two of theirs; all of them if the file is new."""
+    tree = ast.parse(subprocess.run(["git", "show", f"HEAD:{module}"], cwd=REPO, check=True,
+                                    capture_output=True, text=True).stdout)  # fmt: skip
+    spans: dict[str, tuple[int, int]] = {}
+    for node in tree.body:
+        functions = ast.FunctionDef | ast.AsyncFunctionDef
+        defs = [(f"x_{node.name}", node)] if isinstance(node, functions) else []
+        if isinstance(node, ast.ClassDef):
+            defs = [(f"x\u01c1{node.name}\u01c1{f.name}", f) for f in node.body
+                    if isinstance(f, functions)]  # fmt: skip
+        for key, f in defs:
+            first = min([f.lineno, *(d.lineno for d in f.decorator_list)])
+            spans[key] = (first, f.end_lineno or f.lineno)
+    diff = subprocess.run(["git", "diff", "-M", "--unified=0", since, "HEAD"], cwd=REPO,
+                          check=True, capture_output=True, text=True).stdout  # fmt: skip
+    sections = re.split(r"^diff --git ", diff, flags=re.M)
+    mine = [d for d in sections if re.search(rf"^\+\+\+ b/{re.escape(module)}$", d, re.M)]
+    if not mine:
+        return []
+    if re.search(r"^--- /dev/null$", mine[0], re.M):  # new since REV: every function
+        return sorted(spans)
+    touched: set[int] = set()
+    for start, count in re.findall(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", mine[0], re.M):
+        start, count = int(start), 1 if count == "" else int(count)
+        touched.update(range(start, start + count) if count else (start, start + 1))
+    return sorted(k for k, (a, b) in spans.items() if any(a <= n <= b for n in touched))
+
+
+def run(module: str, children: int, fast_only: bool = False, since: str | None = None) -> dict:
     root = stage(module, fast_only)
+    names: list[str] = []
+    if since is not None:
+        dotted = "ecoffload." + module.removesuffix(".py").replace("/", ".")
+        names = [f"{dotted}.{key}__mutmut_*" for key in changed_functions(module, since)]
+        if not names:
+            return {"module": f"{module} (changed since {since})", "mutants": 0, "killed": 0,
+                    "rate": 1.0, "seconds": 0, "status": {}, "survivors": [],
+                    "seconds_by_survivor": {}, "applied": [], "functions": []}  # fmt: skip
     # One OpenMP thread: mutmut forks each mutant's test run from a process that has
     # already run torch ops, and libgomp's thread pool does not survive a fork (the
     # child's first parallel reduction waits forever in gomp_team_end: a "timeout").
@@ -319,7 +394,7 @@ def run(module: str, children: int, fast_only: bool = False) -> dict:
            "OMP_NUM_THREADS": "1", "ECOFFLOAD_NATIVE_CATALOG": "0"}  # fmt: skip
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *names],
         cwd=root, env=env, capture_output=True, text=True,
     )  # fmt: skip
     seconds = time.monotonic() - start
@@ -329,6 +404,8 @@ def run(module: str, children: int, fast_only: bool = False) -> dict:
         sys.exit(f"{module}: mutmut produced no results; see {root / 'mutmut-run.log'}")
     recorded = json.loads(meta.read_text())
     codes = recorded["exit_code_by_key"]
+    if since is not None:  # the selected functions' mutants alone (the others were not run)
+        codes = {k: c for k, c in codes.items() if any(fnmatch.fnmatch(k, n) for n in names)}
     applied = run_applied(root, module, codes, env) if module in APPLIED else []
     seconds = time.monotonic() - start  # with APPLIED's runs
     status = Counter(
@@ -340,7 +417,10 @@ def run(module: str, children: int, fast_only: bool = False) -> dict:
     # costs every test that calls the function; a hang ends as a timeout, at the limit)
     took = recorded.get("durations_by_key", {})
     return {
-        "module": module + (" (fast only)" if fast_only else ""),
+        "module": module
+        + (" (fast only)" if fast_only else "")
+        + (f" (changed since {since})" if since is not None else ""),
+        "functions": [n.removesuffix("__mutmut_*").rsplit(".", 1)[1] for n in names],
         "mutants": len(codes),
         "killed": status["killed"] + status["timeout"] + status["crashed"],  # detected
         "rate": (status["killed"] + status["timeout"] + status["crashed"]) / max(1, len(codes)),
@@ -390,8 +470,13 @@ def main() -> None:
     parser.add_argument(
         "--fast-only", action="store_true", help="no slow tests: a lower bound of the kill rate"
     )
+    parser.add_argument(
+        "--changed-since", metavar="REV",
+        help="only the mutants of the functions git diff REV HEAD touches, their rate alone",
+    )  # fmt: skip
     args = parser.parse_args()
-    results = [run(module, args.children, args.fast_only) for module in args.modules]
+    results = [run(module, args.children, args.fast_only, args.changed_since)
+               for module in args.modules]  # fmt: skip
     print(f"{'module':30} {'mutants':>7} {'killed':>7} {'rate':>6} {'time':>7}  status")
     for r in results:
         print(f"{r['module']:30} {r['mutants']:7} {r['killed']:7} {r['rate']:6.1%} "

@@ -119,8 +119,11 @@ def test_tables_that_are_no_step_tables_are_refused(pair):
     sched, worker = pair
     meta = a_save(sched)
     meta.save_table = [list(meta.save_table[0])]
-    with pytest.raises(PlanError, match="must be StepTables"):
+    with pytest.raises(PlanError) as caught:
         worker.bind_connector_metadata(via_pickle(meta))
+    assert str(caught.value) == (  # both tables' types named, load's first
+        f"step {meta.step}: the scheduler's block tables must be StepTables, got StepTable and list"
+    )
 
 
 def test_the_tables_a_scheduler_makes_pass_the_check(pair):

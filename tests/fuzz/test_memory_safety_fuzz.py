@@ -3,9 +3,13 @@
 * The planner: random invalid steps (int64 limits, overlapping extents and items,
   malformed step arrays) planned with the C pass and with the Python passes
   alone must get the same answer: the same plan, or PlanError from both.
-* The shared catalog: random words damaged with the dirty flag clear, then random
-  operations through the C paths and the Python ones, each with a deadline; the
-  catalog's check passes after a rebuild.
+* The shared catalog: random words damaged with the dirty flag clear (a warm
+  start's verification words among them: every slot's mark, the header's counts,
+  cursor and start time), then random operations through the C paths and the
+  Python ones, each with a deadline; the catalog's check passes after a rebuild.
+  The catalog knows its data area (zeros), so lookups and ``verify_step`` check
+  items a warm start (``begin_verify``) marked UNVERIFIED, with right and wrong
+  CRCs.
 
 Budgets: each fuzzer stops at its example count or after ``FUZZ_SECONDS`` (whichever
 first; about 10 s each on a 2-vCPU VM); ``ECOFFLOAD_FUZZ_SECONDS`` and
@@ -17,6 +21,7 @@ import os
 import random
 import signal
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -36,8 +41,17 @@ from ecoffload.engine.catalog.shared.format import (
     H_PIN_FREE,
     H_SLOT_FREE,
     H_TICK,
+    H_VERIFY_BYTES,
+    H_VERIFY_CURSOR,
+    H_VERIFY_DROPPED,
+    H_VERIFY_ITEMS,
+    H_VERIFY_LEFT,
+    H_VERIFY_LEFT_BYTES,
+    H_VERIFY_T0,
     PIN_WORDS,
+    S_VERIFY,
     SLOT_WORDS,
+    meta_bytes,
 )
 from ecoffload.kernels import PlanError, native
 from ecoffload.kernels.plan import plan_copy
@@ -180,12 +194,13 @@ def damage_words(c: SharedCatalog, rng: random.Random) -> list[str]:
         if kind == 0:  # a header word
             at = rng.choice([H_LRU_HEAD, H_LRU_TAIL, H_SLOT_FREE, H_PIN_FREE, H_MASK,
                              H_FREE_BLOCKS, H_EVICTABLE, H_TICK, H_HITS,
-                             H_CLASSES + rng.randrange(6)])  # fmt: skip
+                             H_CLASSES + rng.randrange(6), *VERIFY_HEADER])  # fmt: skip
             value = odd_int(rng, rng.choice([lay.max_items, lay.max_pins, lay.num_blocks]))
             w[at] = value
-        elif kind == 1:  # a slot's word
-            at = c._sl + rng.randrange(lay.max_items) * SLOT_WORDS + rng.randrange(14)
-            w[at] = value = odd_int(rng, rng.choice([lay.max_items, lay.num_blocks, 4]))
+        elif kind == 1:  # a slot's word, its verification mark one time in three
+            word = S_VERIFY if rng.random() < 1 / 3 else rng.randrange(14)
+            at = c._sl + rng.randrange(lay.max_items) * SLOT_WORDS + word
+            w[at] = value = odd_int(rng, rng.choice([lay.max_items, lay.num_blocks, 4, 2]))
         elif kind == 2:  # a pin record's word
             at = c._pn + rng.randrange(lay.max_pins) * PIN_WORDS + rng.choice([0, 1, 4])
             w[at] = value = odd_int(rng, lay.max_pins)
@@ -198,8 +213,28 @@ def damage_words(c: SharedCatalog, rng: random.Random) -> list[str]:
     return done
 
 
-OPS = ["reserve", "commit", "abort", "lookup", "lookup_pin", "pin", "unpin", "unpin_many",
-       "evict", "entry", "entries", "stats", "reap", "add_ready"]  # fmt: skip
+VERIFY_HEADER = [H_VERIFY_LEFT, H_VERIFY_LEFT_BYTES, H_VERIFY_ITEMS, H_VERIFY_BYTES,
+                 H_VERIFY_DROPPED, H_VERIFY_CURSOR, H_VERIFY_T0]  # fmt: skip
+
+OPS = ["reserve", "commit", "commit_crc", "abort", "lookup", "lookup_pin", "pin", "unpin",
+       "unpin_many", "evict", "entry", "entries", "stats", "reap", "add_ready",
+       "begin_verify", "verify_step", "verification"]  # fmt: skip
+
+
+def commit_crc(c: SharedCatalog, key: str, rng: random.Random) -> None:
+    """Commit ``key`` with the CRC-32 of its bytes (zeros), or a wrong one."""
+    n = c.entry(key).nbytes
+    right = rng.random() < 0.7 and 0 <= n <= BLOCKS * B
+    c.commit(key, checksum=zlib.crc32(bytes(n)) if right else rng.randrange(2**32))
+
+
+def warm_start(c: SharedCatalog, rng: random.Random) -> None:
+    """Items committed with CRCs (some wrong), then marked UNVERIFIED by a warm start."""
+    for key in KEYS:
+        with contextlib.suppress(CatalogError):
+            c.reserve(key, rng.randrange(1, 5) * B)
+            commit_crc(c, key, rng)
+    c.begin_verify()
 
 
 def random_op(c: SharedCatalog, rng: random.Random, fast) -> str:
@@ -214,13 +249,30 @@ def random_op(c: SharedCatalog, rng: random.Random, fast) -> str:
         c.lookup(key, pin=True)
     elif op == "unpin_many":
         c.unpin_many([key, rng.choice(KEYS)])
-    elif op in ("entries", "stats", "reap"):
+    elif op == "commit_crc":
+        commit_crc(c, key, rng)
+    elif op == "verify_step":
+        c.verify_step(rng.choice([1, B, 1 << 20]))
+    elif op == "verification":
+        c.verification().fraction  # noqa: B018 - its division, on whatever the words hold
+    elif op in ("entries", "stats", "reap", "begin_verify"):
         getattr(c, op)()
     elif op == "add_ready":
         c.add_ready(BLOCKS)
     else:
         getattr(c, op)(key)
     return f"{op}({key!r}, {'C' if c._fast is not None else 'Python'})"
+
+
+def open_with_data(path) -> SharedCatalog:
+    """A shared catalog whose file holds its data area too (zeros) and that knows where:
+    lookups and verify_step read items' bytes, as on an arena."""
+    layout = dict(max_key_bytes=2, max_items=MAX_ITEMS, max_pins=MAX_PINS)
+    c = open_shared(path, BLOCKS, **layout)
+    meta = meta_bytes(BLOCKS, B, **layout)
+    os.truncate(path, meta + BLOCKS * B)
+    c._data_at = (meta, BLOCKS * B)
+    return c
 
 
 def test_random_damage_then_random_operations_never_hang_and_leave_a_catalog_that_checks(
@@ -231,9 +283,11 @@ def test_random_damage_then_random_operations_never_hang_and_leave_a_catalog_tha
     while rounds < 400 and time.monotonic() < stop:
         seed = rng.randrange(2**32)
         path = tmp_path / f"c{rounds}"
-        c = open_shared(path, BLOCKS, max_key_bytes=2, max_items=MAX_ITEMS, max_pins=MAX_PINS)
+        c = open_with_data(path)
         fast = c._fast
         r = random.Random(seed)
+        if r.random() < 0.5:  # half the rounds: after a warm start, items left to verify
+            warm_start(c, r)
         for _ in range(8):  # a lived-in catalog: items in every state, pins
             with contextlib.suppress(CatalogError):
                 random_op(c, r, fast)

@@ -497,3 +497,43 @@ def test_the_kernels_warm_up_loads_the_c_pass_for_any_device(undecided, monkeypa
     monkeypatch.setattr(api, "compile_variants", lambda variants, dev: None)  # no GPU here
     api.warm_up(torch.device(device))
     assert loads == ["load"]
+
+
+class _Counting:
+    """The C pass, counting its item_layout calls; its planner declining (or not)."""
+
+    def __init__(self, c_module, plans: bool):
+        self.c_module, self.plans, self.layouts = c_module, plans, 0
+
+    def item_layout(self, tensors):
+        self.layouts += 1
+        return self.c_module.item_layout(tensors)
+
+    def plan(self, *args):
+        return self.c_module.plan(*args) if self.plans else None
+
+    def plan_step(self, *args):
+        return self.c_module.plan_step(*args) if self.plans else None
+
+    def __getattr__(self, name):  # check_step and the rest: the C pass's own
+        return getattr(self.c_module, name)
+
+
+@pytest.mark.parametrize("plans", [True, False], ids=["c-plans", "c-declines"])
+@pytest.mark.parametrize("tables", ["lists", "step-table"])
+def test_a_step_asks_the_c_pass_for_its_item_layout_once(c_module, monkeypatch, plans, tables):
+    """One C item layout per planned step, whether the C planner plans or declines (when
+    it declined, _item_layout asked the C pass again: two calls, the same numbers); the
+    plan is the one the Python passes make."""
+    items = [torch.arange(n, dtype=torch.uint8) for n in (100, 5000, 1)]
+    blocks = [[(0, 1)], [(1, 2)], [(3, 1)]]
+    table = StepTable.from_tables(blocks) if tables == "step-table" else blocks
+    arena = torch.zeros(4 * 4096, dtype=torch.uint8)
+    counting = _Counting(c_module, plans)
+    monkeypatch.setattr(native, "planner", lambda: counting)
+    base, plan_ = api.plan_batch(items, table, arena, 4096)
+    assert counting.layouts == 1
+    monkeypatch.setattr(native, "planner", lambda: None)
+    want_base, want = api.plan_batch(items, table, arena, 4096)
+    assert base.data_ptr() == want_base.data_ptr()
+    assert plan_.table.tolist() == want.table.tolist() and plan_[1:] == want[1:]

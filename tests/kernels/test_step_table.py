@@ -1,5 +1,6 @@
 """StepTable: a step's block tables as int64 arrays, and the same tables item by item."""
 
+import array
 import pickle
 
 import numpy as np
@@ -151,3 +152,201 @@ def test_a_save_s_fresh_reservations_get_one_pass_and_a_load_s_entries_keep_thei
     assert all(vars(e)["extent_array"] is a for e, a in zip(entries, kept, strict=True))
     if shared:
         catalog.close()
+
+
+# --- every refusal whole, by both passes (issue 30's checks; mutation found them unpinned) --
+
+_SHAPE = "a step table's {} must be a C-contiguous native int64 array of shape {}, got {}"
+_HOW = ": make it with StepTable(extents, bounds) or StepTable.from_tables"
+
+
+@pytest.fixture(params=["c-pass", "python"])
+def either_pass(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(native, "planner", lambda: None)
+    elif native.planner() is None:
+        pytest.skip("the planner's C pass is not built on this host")
+    return request.param
+
+
+@pytest.mark.parametrize(
+    ("extents", "bounds", "message"),
+    [
+        (np.zeros((2, 3), np.int64), np.array([0, 2]),
+         _SHAPE.format("extents", "[E, 2]", "ndarray '<q' (2, 3)")),
+        (np.zeros(4, np.int64), np.array([0, 2]),
+         _SHAPE.format("extents", "[E, 2]", "ndarray '<q' (4,)")),
+        (np.zeros((2, 2), np.int32), np.array([0, 2]),
+         _SHAPE.format("extents", "[E, 2]", "ndarray 'i' (2, 2)")),
+        (np.zeros((2, 2), ">i8"), np.array([0, 2]),
+         _SHAPE.format("extents", "[E, 2]", "ndarray '>q' (2, 2)")),
+        (np.zeros((4, 2), np.int64)[::2], np.array([0, 2]),
+         _SHAPE.format("extents", "[E, 2]", "ndarray '<q' (2, 2)")),
+        ([[0, 1], [1, 1]], np.array([0, 2]), _SHAPE.format("extents", "[E, 2]", "list ")),
+        (np.zeros((2, 2), np.int64), np.array([[0, 2]]),
+         _SHAPE.format("bounds", "[N + 1]", "ndarray '<q' (1, 2)")),
+        (np.zeros((2, 2), np.int64), np.array([0, 2], np.int32),
+         _SHAPE.format("bounds", "[N + 1]", "ndarray 'i' (2,)")),
+    ],
+    ids=["three-columns", "flat", "int32", "big-endian", "strided", "a-list", "bounds-2d",
+         "bounds-int32"],
+)  # fmt: skip
+def test_arrays_the_planner_cannot_read_are_refused_whole(either_pass, extents, bounds, message):
+    from ecoffload.kernels.step_table import step_arrays
+
+    message = message.replace("'<q'", f"'{np.zeros(1, np.int64).data.format}'")
+    with pytest.raises(PlanError) as caught:
+        step_arrays(extents, bounds)
+    assert str(caught.value) == message + _HOW
+
+
+@pytest.mark.parametrize(
+    ("bounds", "message"),
+    [
+        ([1, 3], "bounds must run from 0 to the 3 extents given, one entry per item plus one; "
+                 "got [1, 3]...[1, 3]"),
+        ([0, 1, 2], "bounds must run from 0 to the 3 extents given, one entry per item plus "
+                    "one; got [0, 1, 2]...[0, 1, 2]"),
+        ([0, 1, 2, 3, 4], "bounds must run from 0 to the 3 extents given, one entry per item "
+                          "plus one; got [0, 1, 2]...[2, 3, 4]"),
+        ([], "bounds must run from 0 to the 3 extents given, one entry per item plus one; "
+             "got []...[]"),
+        ([0, 1, 1, 3, 2, 3], "bounds must not go down (item i's extents are "
+                             "extents[bounds[i]:bounds[i + 1]]); got bounds[3] = 3 > "
+                             "bounds[4] = 2"),
+    ],
+    ids=["not-from-0", "short", "past", "none", "down-after-a-repeat"],
+)  # fmt: skip
+def test_bounds_that_do_not_cover_the_extents_are_refused_whole(either_pass, bounds, message):
+    from ecoffload.kernels.step_table import step_arrays
+
+    extents = np.array([[0, 1], [1, 1], [2, 1]], np.int64)
+    for make in (lambda: step_arrays(extents, np.array(bounds, np.int64)),
+                 lambda: StepTable(extents, np.array(bounds, np.int64)),
+                 lambda: pickle.loads(pickle.dumps(_unchecked(extents, bounds)))):  # fmt: skip
+        with pytest.raises(PlanError) as caught:
+            make()
+        assert str(caught.value) == message
+
+
+def _unchecked(extents, bounds) -> StepTable:
+    table = StepTable.from_tables([[(0, 1), (1, 1), (2, 1)]])
+    table.extents, table.bounds = extents, np.array(bounds, np.int64)
+    return table
+
+
+def test_valid_arrays_come_back_as_given(either_pass):
+    from ecoffload.kernels.step_table import step_arrays
+
+    extents, bounds = np.array([[0, 1], [5, 2]], np.int64), np.array([0, 0, 2], np.int64)
+    got = step_arrays(extents, bounds)
+    assert got[0] is extents and got[1] is bounds
+    table = StepTable(extents, bounds)
+    assert table.extents.tolist() == [[0, 1], [5, 2]] and table.bounds.tolist() == [0, 0, 2]
+    assert pickle.loads(pickle.dumps(table)) == table
+
+
+@pytest.mark.parametrize(
+    ("extents", "bad"),
+    [([[0, 1], [3, 1]], None), ([[0, 1], [4, 1]], 1), ([[-1, 1]], 0), ([[0, 0]], 0),
+     ([[2, 3]], 0), ([[0, 4], [1, -1]], 1), ([[3, 1], [0, 5]], 1), ([[0, 2], [2, 2]], None)],
+    ids=["inside", "start-at-the-end", "negative-start", "no-blocks", "past-the-end",
+         "negative-count", "longer-than-the-arena", "exactly-to-the-end"],
+)  # fmt: skip
+def test_a_worker_s_check_names_the_first_extent_outside_the_arena(either_pass, extents, bad):
+    table = StepTable(np.array(extents, np.int64), np.array([0, len(extents)], np.int64))
+    if bad is None:
+        table.check(4)
+        return
+    with pytest.raises(PlanError) as caught:
+        table.check(4)
+    assert str(caught.value) == (
+        f"extent {bad} {tuple(extents[bad])} of a step table is not inside the arena's blocks "
+        "[0, 4): block tables must come from this arena's catalog"
+    )
+
+
+def test_a_worker_s_check_of_arrays_the_c_pass_cannot_read_names_them(either_pass):
+    table = StepTable.from_tables([[(0, 1)]])
+    table.extents = np.zeros((1, 2), np.int32)
+    with pytest.raises(PlanError, match="a step table's extents must be a C-contiguous"):
+        table.check(4)
+
+
+def _unaligned(values) -> np.ndarray:
+    """An int64 array one byte off its alignment (numpy exports it as format '=q')."""
+    values = np.asarray(values, np.int64)
+    raw = np.zeros(values.nbytes + 1, np.uint8)[1:]
+    out = raw.view(np.int64).reshape(values.shape)
+    out[...] = values
+    return out
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda v: _unaligned(v), lambda v: array.array("q", v),
+     lambda v: memoryview(bytearray(np.asarray(v, np.int64).tobytes())).cast("@q")],
+    ids=["numpy-unaligned-=q", "array-q", "memoryview-@q"],
+)  # fmt: skip
+def test_native_int64_bounds_of_any_exporter_are_read_as_an_int64_array(either_pass, make):
+    """Bounds given through the buffer protocol as native int64 ('q' with or without a
+    '@' or '=' prefix) are read, as an int64 ndarray, and their checks hold."""
+    from ecoffload.kernels.step_table import step_arrays
+
+    extents = np.array([[0, 1], [1, 1]], np.int64)
+    _, bounds = step_arrays(extents, make([0, 1, 2]))
+    assert type(bounds) is np.ndarray and bounds.dtype == np.int64
+    assert bounds.tolist() == [0, 1, 2]
+    with pytest.raises(PlanError, match=r"got bounds\[1\] = 2 > bounds\[2\] = 1"):
+        step_arrays(extents[:1], make([0, 2, 1]))  # three entries, going down
+
+
+def test_bounds_of_three_entries_that_go_down_are_refused(either_pass):
+    from ecoffload.kernels.step_table import step_arrays
+
+    with pytest.raises(PlanError) as caught:
+        step_arrays(np.array([[0, 1]], np.int64), np.array([0, 2, 1], np.int64))
+    assert str(caught.value) == (
+        "bounds must not go down (item i's extents are extents[bounds[i]:bounds[i + 1]]); "
+        "got bounds[1] = 2 > bounds[2] = 1"
+    )
+
+
+def test_the_constructor_takes_any_integer_arrays_as_int64_and_flattens_the_bounds(
+    either_pass,
+):
+    table = StepTable(np.array([0, 1, 4, 2], np.int32), np.array([[0, 1, 2]], np.int32))
+    assert table.extents.dtype == table.bounds.dtype == np.int64
+    assert table.extents.tolist() == [[0, 1], [4, 2]] and table.bounds.tolist() == [0, 1, 2]
+    assert table == StepTable.from_tables([[(0, 1)], [(4, 2)]])
+
+
+@pytest.mark.parametrize("state", [5, None, (1, 2, 3)], ids=["an-int", "none", "three"])
+def test_a_pickled_state_that_is_no_pair_is_refused_by_name(state):
+    table = StepTable.__new__(StepTable)
+    with pytest.raises(PlanError) as caught:
+        table.__setstate__(state)
+    assert str(caught.value) == (
+        f"a pickled StepTable holds (extents, bounds), got {type(state).__name__}"
+    )
+
+
+def test_usual_arrays_are_checked_by_the_c_pass_alone(monkeypatch):
+    """With the C pass loaded, ndarray step arrays (what the catalogs and the scheduler
+    make) are checked in C, every call: neither step_arrays nor a worker's check reads
+    them in Python (~0.4 us a table in C, ~3.6 us in numpy: BENCHMARKS.md, issue 30)."""
+    from ecoffload.kernels import step_table
+
+    if native.planner() is None:
+        pytest.skip("the planner's C pass is not built on this host")
+    table = StepTable.from_tables(TABLES)
+
+    def python_pass(*args):
+        raise AssertionError("read in Python")
+
+    monkeypatch.setattr(step_table, "memoryview", python_pass, raising=False)
+    assert step_table.step_arrays(table.extents, table.bounds)[0] is table.extents
+    monkeypatch.setattr(step_table, "step_arrays", python_pass)
+    table.check(16)
+    with pytest.raises(PlanError, match=r"extent 4 \(12, 1\) of a step table is not inside"):
+        table.check(12)

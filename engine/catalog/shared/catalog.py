@@ -460,8 +460,12 @@ class SharedCatalog(
             w[H_EVICTABLE] -= blocks
             w[H_READY_ITEMS] -= 1
             w[H_READY_BYTES] -= nbytes
-        for e, c in self._extent_chain(s, b):  # the whole chain checked before any free
-            self._free_extent(e, c)
+        i, e, wm = self._i, w[b + S_EXT], w[H_READY_BLOCKS]
+        if 0 <= e < wm and i[self._en + e] < 0 and 0 < (c := i[self._ec + e]) == blocks <= wm - e:
+            self._free_extent(e, c)  # one extent (most items), checked as _extent_chain does
+        else:
+            for e, c in self._extent_chain(s, b):  # the whole chain checked before any free
+                self._free_extent(e, c)
         w[b + S_HNEXT] = w[H_SLOT_FREE]
         w[H_SLOT_FREE] = s
         w[H_ITEMS] -= 1

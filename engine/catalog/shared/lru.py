@@ -83,10 +83,14 @@ class LRUPolicy(CatalogState):
         w[H_LRU_TAIL] = s
 
     def _lru_unlink(self, s: int) -> None:
-        w, sl = self._w, self._sl
+        w, sl, n = self._w, self._sl, self._nslots
         b = sl + s * SLOT_WORDS
         prev, nxt = w[b + S_PREV], w[b + S_NEXT]
-        self._check_links(s, prev, nxt)
+        if not (-1 <= prev < n and -1 <= nxt < n) or (
+            prev >= 0 and w[sl + prev * SLOT_WORDS + S_NEXT] != s
+        ) or (nxt >= 0 and w[sl + nxt * SLOT_WORDS + S_PREV] != s):  # fmt: skip
+            self._check_links(s, prev, nxt)  # _check_links's test inline (an eviction's
+            # hot path: a call less), then the call that names what is wrong and raises
         if prev >= 0:
             w[sl + prev * SLOT_WORDS + S_NEXT] = nxt
         else:

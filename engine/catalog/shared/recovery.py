@@ -29,6 +29,7 @@ from ...base.liveness import alive
 from ..allocator import blocks_for
 from .fault_points import fault
 from .format import (
+    FAILED,
     FREE,
     H_CLASSES,
     H_DIRTY,
@@ -77,6 +78,7 @@ from .state import CatalogState
 
 # the catalog's messages, whichever part logs them
 log = logging.getLogger("ecoffload.engine.catalog.shared.catalog")
+_MARKS = (VERIFIED, UNVERIFIED, FAILED)  # a READY slot's S_VERIFY; any other does not parse
 
 
 def _chain(rows: np.ndarray, members: np.ndarray, link: int, zero: int | None = None) -> None:
@@ -225,6 +227,7 @@ class Recovery(CatalogState):
             state = w[b + S_STATE]
             ok = state in (WRITING, READY) and 0 < w[b + S_KLEN] <= mk
             ok = ok and (state == READY or alive(w[b + S_PID], w[b + S_START], seen))
+            ok = ok and (state != READY or w[b + S_VERIFY] in _MARKS)  # WRITING: reset below
             total, e, chain, hops = 0, w[b + S_EXT], [], 0
             while ok and e >= 0 and hops <= n:
                 c = i[self._ec + e] if e < wm else 0

@@ -34,7 +34,9 @@ from ecoffload.engine.catalog.shared.format import (
     S_EXT,
     S_HASH,
     S_HNEXT,
+    S_NEXT,
     S_PIN_HEAD,
+    S_PREV,
     S_VERIFY,
     SLOT_WORDS,
     UNVERIFIED,
@@ -76,7 +78,7 @@ def same_bucket(c: SharedCatalog, key: str) -> str:
     )
 
 
-def in_child_with_deadline(op) -> tuple[str, str]:
+def in_child_with_deadline(op, here_under_mutation: bool = True) -> tuple[str, str]:
     """(outcome, message) of ``op()`` run in a forked child (tests/support/deadline.py):
     "returned", the name of the error it raised, or "hung" (killed at the deadline)."""
 
@@ -87,7 +89,7 @@ def in_child_with_deadline(op) -> tuple[str, str]:
             return f"{type(e).__name__}\n{e}"
         return "returned\n"
 
-    report = in_child(run, DEADLINE_S)
+    report = in_child(run, DEADLINE_S, here_under_mutation=here_under_mutation)
     if report == "killed":
         return "hung", f"still running after {DEADLINE_S} s (killed)"
     outcome, _, message = report.partition("\n")
@@ -180,6 +182,39 @@ CASES = {  # damage, and the operations that must not follow it
         "reserve-same-bucket": lambda c: lambda: c.reserve(same_bucket(c, "z"), B),
     }),
 }  # fmt: skip
+
+
+def lru_word(key: str, word: int, value: int):
+    """Damage: slot ``key``'s LRU link ``word`` set to ``value``."""
+    return lambda c: c._w.__setitem__(words(c, key) + word, value)
+
+
+# LRU links one past the table or below -1, each where an operation reads it: an eviction
+# unlinks the tail "z", a lookup relinks the head "abcd", a commit appends after the tail
+for value in (MAX_ITEMS, -2):
+    for word, name in ((S_PREV, "prev"), (S_NEXT, "next")):
+        CASES[f"lru-{name}-of-the-tail-at-{value}"] = (lru_word("z", word, value), {
+            "evict": lambda c: lambda: c.evict("z")})  # fmt: skip
+        CASES[f"lru-{name}-of-the-head-at-{value}"] = (lru_word("abcd", word, value), {
+            "lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))})  # fmt: skip
+    CASES[f"lru-tail-at-{value}"] = (
+        lambda c, value=value: c._w.__setitem__(H_LRU_TAIL, value),
+        {"commit": lambda c: lambda: c.commit("w"),
+         "lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))},
+    )  # fmt: skip
+# links to slot 0 ("abcd"), which does not link back: the boundary of each link's test
+CASES["lru-prev-of-the-tail-at-slot-0"] = (
+    lambda c: c._w.__setitem__(words(c, "z") + S_PREV, slot(c, "abcd")),
+    {"evict": lambda c: lambda: c.evict("z")},
+)
+CASES["lru-next-of-the-head-at-slot-0"] = (
+    lambda c: c._w.__setitem__(words(c, "abcd") + S_NEXT, slot(c, "abcd")),
+    {"lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))},
+)
+CASES["lru-tail-s-successor-slot-0"] = (
+    lambda c: c._w.__setitem__(words(c, "z") + S_NEXT, slot(c, "abcd")),
+    {"commit": lambda c: lambda: c.commit("w")},
+)
 RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
 
 
@@ -191,7 +226,8 @@ def test_a_corrupt_word_is_refused_within_the_deadline_and_rebuilt(tmp_path, cas
     damage(c)
     assert c._w[H_DIRTY] == 0  # nothing tells a locker to rebuild
     recoveries = c._w[H_RECOVERIES]
-    outcome, message = in_child_with_deadline(ops[op](c))
+    # another process's pins (the child's) are what a pin-list walk passes: in a child only
+    outcome, message = in_child_with_deadline(ops[op](c), not case.startswith("pin-list"))
     assert outcome == "CatalogCorruptError", message
     assert "rebuilt from its slot table" in message
     assert c._w[H_RECOVERIES] == recoveries + 1
@@ -225,3 +261,20 @@ def test_the_hash_word_of_a_slot_never_indexes_past_the_buckets(tmp_path):
 @pytest.fixture(autouse=True)
 def _native_on(monkeypatch):
     monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")
+
+
+@pytest.mark.parametrize("mark", [3, -1, 23, 2**63 - 1], ids=lambda m: f"mark-{m}")
+def test_a_ready_item_whose_verification_mark_is_no_mark_is_freed_by_recovery(tmp_path, mark):
+    """A READY slot whose S_VERIFY word holds none of VERIFIED, UNVERIFIED, FAILED does
+    not parse: recovery frees it (as any slot that does not parse), so the catalog
+    checks after (found by the fuzzer damaging the verification words: recovery kept
+    the slot and its mark, and the check refused the rebuilt catalog)."""
+    c = healthy(tmp_path / "c", native=False)
+    c._w[words(c, "abcd") + S_VERIFY] = mark
+    c._seen.clear()  # a process that has not seen it READY
+    assert c.lookup("abcd") is None  # not served meanwhile: a miss
+    c.recover()
+    c.check()
+    assert "abcd" not in c and c.state("abcd") is None
+    assert c.lookup("z") is not None and c.state("b") is not None  # the others kept
+    c.close()
