@@ -9,7 +9,10 @@ Per step, on the scheduler's thread::
                                    r is admitted once its lookup found nothing or
                                    its fetch ended (fetched items are then READY
                                    in the arena and load as ordinary hits; the
-                                   others are encoded locally)
+                                   others are encoded locally); a fetch that
+                                   ended since the last step is polled (its
+                                   items committed) here, so r is admitted in
+                                   this step, not the next
     build_connector_meta()      -> step(): unpins what the publisher finished;
                                    advances fetches; then ONE batched lookup of
                                    every item noted this step, and ONE batched
@@ -98,6 +101,12 @@ class ClusterConsumer:
         """``ensure_cache_available``; ``is_local(key)``: the scheduler's own lookup (a hit
         is pinned and promised to the step, so it costs no second lookup later)."""
         rid = request.request_id
+        f = self._fetching.get(rid)
+        if f is not None and f.future is not None and f.future.done():
+            self.tier.poll(f)  # ended since the last step: commit now, admit this step
+            if f.state != "pending":
+                del self._fetching[rid]
+                self._ready.add(rid)
         if rid in self._ready:
             self._ready.discard(rid)
             self._log_hold(rid)

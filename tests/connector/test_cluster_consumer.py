@@ -1,5 +1,6 @@
 """connector/cluster_tier.py: ClusterConsumer's step waits on the fetch a held request
-needs (at most HOLD_YIELD_S), and on nothing else. Decisions only: a scripted tier
+needs (at most HOLD_YIELD_S), and on nothing else; a fetch that ended between two
+steps admits its request at once. Decisions only: a scripted tier
 (lookup hits, fetch returns a future the test completes), no store, no vLLM.
 
 The bound is raised to 0.4 s here so that "waited the bound", "returned as soon as
@@ -109,3 +110,17 @@ def test_step_with_only_local_hits_does_not_wait(consumer):
     assert consumer.admit(request("r2", "local"), 0, lambda k: True)
     assert timed_step(consumer) < BOUND_S / 4
     assert consumer.tier.futures == []
+
+
+def test_a_fetch_ended_since_the_last_step_admits_its_request_without_another_step(consumer):
+    r = held(consumer)
+    (future,) = consumer.tier.futures
+    future.set_result([])  # the get returned after the step that posted it
+    assert consumer.admit(r, 0, lambda k: False)
+    assert consumer._fetching == {}  # committed (polled) by the admission itself
+
+
+def test_a_fetch_still_in_flight_keeps_its_request_held_at_admission(consumer):
+    r = held(consumer)
+    assert not consumer.admit(r, 0, lambda k: False)
+    assert not consumer.tier.futures[0].done()
