@@ -130,7 +130,7 @@ class ClusterConsumer:
 
     def _log_hold(self, rid: str) -> None:
         hold, f = self._holds.pop(rid, None), self._hold_fetch.pop(rid, None)
-        if hold is None or f is None or "posted" not in f.times:
+        if hold is None or f is None:
             return
         hold = {**hold, **f.times}
         now = time.monotonic()
@@ -139,7 +139,7 @@ class ClusterConsumer:
             "ecoffload: cluster hold of %s, ms after admission noted it: lookup %.2f-%.2f, "
             "fetch posted %.2f, get %.2f-%.2f, MAC+CRC done %.2f, committed %.2f, "
             "admitted %.2f (%d steps)", rid, ms.get("lookup", -1), ms.get("looked", -1),
-            ms["posted"], ms.get("started", -1), ms.get("got", -1), ms.get("checked", -1),
+            ms.get("posted", -1), ms.get("started", -1), ms.get("got", -1), ms.get("checked", -1),
             ms.get("committed", -1), (now - hold["noted"]) * 1e3, hold["steps"],
         )  # fmt: skip
 

@@ -38,6 +38,7 @@ class ScriptedTier:
     def fetch(self, sizes):
         f = ClusterFetch(deadline=time.monotonic() + 60.0, future=cf.Future())
         f.reserved = {k: (1, [(0, 1)], n) for k, n in sizes.items()}
+        f.times["posted"] = time.monotonic()
         self.futures.append(f.future)  # type: ignore[arg-type]
         return f
 
@@ -124,3 +125,18 @@ def test_a_fetch_still_in_flight_keeps_its_request_held_at_admission(consumer):
     r = held(consumer)
     assert not consumer.admit(r, 0, lambda k: False)
     assert not consumer.tier.futures[0].done()
+
+
+def test_a_request_admitted_after_a_fetch_logs_its_hold_once(consumer, caplog):
+    caplog.set_level("INFO", logger="vllm.ecoffload_cluster_hold")
+    r = held(consumer)
+    consumer.tier.futures[0].set_result([])
+    consumer.step()
+    assert consumer.admit(r, 0, lambda k: False)
+    assert consumer.admit(request("r2", "local"), 0, lambda k: True)  # no fetch: no line
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "cluster hold of r1" in message and "(2 steps)" in message, message
+    posted, admitted = (float(message.split(word)[1].split()[0].rstrip(",")) for word in
+                        ("fetch posted ", "admitted "))  # fmt: skip
+    assert 0 <= posted <= admitted, message
