@@ -9,7 +9,10 @@ Per step, on the scheduler's thread::
                                    r is admitted once its lookup found nothing or
                                    its fetch ended (fetched items are then READY
                                    in the arena and load as ordinary hits; the
-                                   others are encoded locally)
+                                   others are encoded locally); a fetch that
+                                   ended since the last step is polled (its
+                                   items committed) here, so r is admitted in
+                                   this step, not the next
     build_connector_meta()      -> step(): unpins what the publisher finished;
                                    advances fetches; then ONE batched lookup of
                                    every item noted this step, and ONE batched
@@ -23,12 +26,18 @@ While a request waits on a fetch, step() first waits for it at most
 :data:`HOLD_YIELD_S`: vLLM steps again at once while a request is held, and a
 scheduler thread that never sleeps hands the GIL to the fetch lane (whose header,
 MAC and CRC-32 checks are Python) only every switch interval (5 ms).
+
+Each request admitted after a fetch logs one INFO line (``vllm.ecoffload_cluster_hold``)
+with its hold phase by phase, in ms after admission first held it: the lookup's
+start and end, the fetch posted, the get's start and end on the fetch lane, the
+MAC and CRC-32 done, the commit, the admission, and the steps it was held.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -46,6 +55,9 @@ if TYPE_CHECKING:
     from ..engine.catalog.shared.catalog import SharedCatalog
 
 log = logging.getLogger(__name__)
+#: One line per request admitted after a cluster fetch: its hold, phase by phase
+#: (under vLLM's logger, so ``vllm serve`` prints it at its default INFO level).
+hold_log = logging.getLogger("vllm.ecoffload_cluster_hold")
 
 COUNTERS = TIER_COUNTERS
 GAUGES = ("cluster_available",)
@@ -80,6 +92,8 @@ class ClusterConsumer:
         self._fetches: list[ClusterFetch] = []  # pending, whether or not a request waits
         self._inflight: dict[str, ClusterFetch] = {}  # key -> the fetch bringing it
         self._ready: set[str] = set()  # requests whose lookup or fetch ended
+        self._holds: dict[str, dict[str, float]] = {}  # request -> monotonic times, steps
+        self._hold_fetch: dict[str, ClusterFetch] = {}  # request -> its fetch (its times)
 
     def admit(
         self, request: Request, num_computed_tokens: int, is_local: Callable[[str], bool]
@@ -87,8 +101,15 @@ class ClusterConsumer:
         """``ensure_cache_available``; ``is_local(key)``: the scheduler's own lookup (a hit
         is pinned and promised to the step, so it costs no second lookup later)."""
         rid = request.request_id
+        f = self._fetching.get(rid)
+        if f is not None and f.future is not None and f.future.done():
+            self.tier.poll(f)  # ended since the last step: commit now, admit this step
+            if f.state != "pending":
+                del self._fetching[rid]
+                self._ready.add(rid)
         if rid in self._ready:
             self._ready.discard(rid)
+            self._log_hold(rid)
             return True
         if rid in self._fetching or rid in self._asked:
             return False
@@ -104,10 +125,28 @@ class ClusterConsumer:
         if not misses or not self.tier.available:
             return True
         self._asked[rid] = misses
+        self._holds[rid] = {"noted": time.monotonic(), "steps": 0}
         return False
+
+    def _log_hold(self, rid: str) -> None:
+        hold, f = self._holds.pop(rid, None), self._hold_fetch.pop(rid, None)
+        if hold is None or f is None:
+            return
+        hold = {**hold, **f.times}
+        now = time.monotonic()
+        ms = {k: (v - hold["noted"]) * 1e3 for k, v in hold.items() if k != "steps"}
+        hold_log.info(
+            "ecoffload: cluster hold of %s, ms after admission noted it: lookup %.2f-%.2f, "
+            "fetch posted %.2f, get %.2f-%.2f, MAC+CRC done %.2f, committed %.2f, "
+            "admitted %.2f (%d steps)", rid, ms.get("lookup", -1), ms.get("looked", -1),
+            ms.get("posted", -1), ms.get("started", -1), ms.get("got", -1), ms.get("checked", -1),
+            ms.get("committed", -1), (now - hold["noted"]) * 1e3, hold["steps"],
+        )  # fmt: skip
 
     def step(self) -> None:
         tier = self.tier
+        for hold in self._holds.values():
+            hold["steps"] += 1
         if self._fetching:
             waits = [f.future for f in self._fetching.values() if f.future is not None]
             cf.wait(waits, timeout=HOLD_YIELD_S, return_when=cf.FIRST_COMPLETED)
@@ -122,11 +161,17 @@ class ClusterConsumer:
             return
         asked, self._asked = self._asked, {}
         keys = sorted({k for ks in asked.values() for k in ks})
+        looked = [time.monotonic()]
         sizes = tier.lookup(keys)  # the step's one existence query
+        looked.append(time.monotonic())
         if not sizes:
             self._ready.update(asked)
             return
         f = tier.fetch(sizes)  # the step's one batched get
+        for rid in asked:
+            if rid in self._holds:
+                self._holds[rid].update(lookup=looked[0], looked=looked[1])
+                self._hold_fetch[rid] = f
         for rid, ks in asked.items():
             if f.state == "pending" and any(k in sizes for k in ks):
                 self._fetching[rid] = f
@@ -145,6 +190,8 @@ class ClusterConsumer:
         self._asked.pop(request_id, None)
         self._fetching.pop(request_id, None)
         self._ready.discard(request_id)
+        self._holds.pop(request_id, None)
+        self._hold_fetch.pop(request_id, None)
 
     def stats(self) -> dict[str, int]:
         return self.tier.stats()

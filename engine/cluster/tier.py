@@ -84,6 +84,7 @@ class ClusterFetch:
     failed: set[str] = field(default_factory=set)
     future: cf.Future | None = field(default=None, repr=False)
     headers: Any = field(default=None, repr=False)
+    times: dict[str, float] = field(default_factory=dict)  # monotonic: posted, got, checked
 
 
 def _pieces(base: int, extents: Iterable[tuple[int, int]], block: int, nbytes: int):
@@ -198,8 +199,9 @@ class ClusterTier:
             ptrs.append([int(f.headers[i].ctypes.data)] + [a for a, _ in pieces])
             lens.append([value.HEADER_BYTES] + [n for _, n in pieces])
         views = {k: self._view(e, n) for k, (_, e, n) in f.reserved.items()}
+        f.times["posted"] = time.monotonic()
         f.future = self.client.submit(
-            "fetch", lambda s: self._get_and_check(s, names, ptrs, lens, f.headers, views)
+            "fetch", lambda s: self._get_and_check(s, names, ptrs, lens, f.headers, views, f.times)
         )
         if f.future is None:
             self._abort(f.reserved)
@@ -209,9 +211,11 @@ class ClusterTier:
             self.counts["cluster_fetch_failures"] += 1
         return f
 
-    def _get_and_check(self, store, names, ptrs, lens, headers, views) -> list:
+    def _get_and_check(self, store, names, ptrs, lens, headers, views, times) -> list:
         """Fetch lane: the batched get, then each value's header, MAC and CRC-32."""
+        times["started"] = time.monotonic()
         codes = store.batch_get_into_multi_buffers(names, ptrs, lens)
+        times["got"] = time.monotonic()
         out = []
         prefix = len(self.store_key(""))
         for i, (name, code) in enumerate(zip(names, codes, strict=True)):
@@ -237,6 +241,7 @@ class ClusterTier:
             for p in parts:
                 crc = zlib.crc32(p, crc)
             out.append((code, header, crc))
+        times["checked"] = time.monotonic()
         return out
 
     def poll(self, f: ClusterFetch) -> FetchState:
@@ -261,6 +266,7 @@ class ClusterTier:
             log.warning("ecoffload: cluster fetch failed: %r", exc)
             results = [("error", None, None)] * len(f.reserved)
         self._settle(f, results)
+        f.times["committed"] = time.monotonic()
         f.state = "done"
         return f.state
 

@@ -27,7 +27,7 @@ from ecoffload.testing.tiny_vlm import (
 )
 
 # (preset, image tokens, item row width): the figures the presets promise.
-EXPECTED = [("tiny", 64, 128), ("siglip-base", 196, 640)]
+EXPECTED = [("tiny", 64, 128), ("siglip-base", 196, 640), ("siglip-so400m", 256, 2048)]
 
 
 @pytest.fixture(scope="module", params=EXPECTED, ids=[e[0] for e in EXPECTED])
@@ -35,7 +35,7 @@ def built(request, tmp_path_factory):
     vision, tokens, width = request.param
     path = build_tiny_paligemma(str(tmp_path_factory.mktemp(vision)), seed=0, vision=vision)
     yield path, vision, tokens, width
-    shutil.rmtree(path)  # ~370 MB for siglip-base: not kept with pytest's last temp folders
+    shutil.rmtree(path)  # 370 MB / 1.65 GB for the SigLIPs: not kept with pytest's temp folders
 
 
 def test_vllm_counts_the_presets_image_tokens_from_its_config(built):
@@ -87,6 +87,15 @@ def test_siglip_base_is_the_size_of_siglip_base():
     assert (g.vision_hidden, g.vision_layers, g.vision_heads, g.vision_inter) == (
         768, 12, 12, 3072,
     )  # fmt: skip
+
+
+def test_siglip_so400m_is_the_size_of_paligemmas_tower():
+    g = PRESETS["siglip-so400m"]
+    assert (g.image_size, g.patch_size, g.num_image_tokens) == (224, 14, 256)
+    assert (g.vision_hidden, g.vision_layers, g.vision_heads, g.vision_inter) == (
+        1152, 27, 16, 4304,
+    )  # fmt: skip
+    assert g.text_hidden == 2048  # PaliGemma's Gemma-2B width: an item of 256 x 2048
 
 
 def test_an_unknown_preset_names_the_known_ones():

@@ -1,0 +1,142 @@
+"""connector/cluster_tier.py: ClusterConsumer's step waits on the fetch a held request
+needs (at most HOLD_YIELD_S), and on nothing else; a fetch that ended between two
+steps admits its request at once. Decisions only: a scripted tier
+(lookup hits, fetch returns a future the test completes), no store, no vLLM.
+
+The bound is raised to 0.4 s here so that "waited the bound", "returned as soon as
+the fetch completed" and "did not wait" are told apart on a loaded machine.
+"""
+
+import concurrent.futures as cf
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from ecoffload.connector import cluster_tier
+from ecoffload.connector.config import ClusterConfig
+from ecoffload.engine.cluster.tier import ClusterFetch
+
+BOUND_S = 0.4
+
+
+class ScriptedTier:
+    """Every key is in the store; each fetch's future is completed by the test."""
+
+    available = True
+
+    def __init__(self, *_, **__) -> None:
+        self.futures: list[cf.Future] = []
+
+    def step(self) -> None:
+        pass
+
+    def lookup(self, keys):
+        return dict.fromkeys(keys, 64)
+
+    def fetch(self, sizes):
+        f = ClusterFetch(deadline=time.monotonic() + 60.0, future=cf.Future())
+        f.reserved = {k: (1, [(0, 1)], n) for k, n in sizes.items()}
+        f.times["posted"] = time.monotonic()
+        self.futures.append(f.future)  # type: ignore[arg-type]
+        return f
+
+    def poll(self, f):
+        if f.state == "pending" and f.future.done():
+            f.fetched, f.reserved, f.state = set(f.reserved), {}, "done"
+        return f.state
+
+
+@pytest.fixture
+def consumer(monkeypatch):
+    monkeypatch.setattr(cluster_tier, "ClusterTier", ScriptedTier)
+    monkeypatch.setattr(cluster_tier, "StoreClient", lambda settings: None)
+    monkeypatch.setattr(cluster_tier, "HOLD_YIELD_S", BOUND_S)
+    config = ClusterConfig(master="127.0.0.1:1", metadata="http://127.0.0.1:2/metadata",
+                           host="127.0.0.1")  # fmt: skip
+    return cluster_tier.ClusterConsumer(None, None, config, layout="l", publish=False)  # type: ignore[arg-type]
+
+
+def request(rid, key):
+    pos = SimpleNamespace(offset=0, length=4)
+    return SimpleNamespace(
+        request_id=rid, mm_features=[SimpleNamespace(identifier=key, mm_position=pos)]
+    )
+
+
+def held(consumer, rid="r1", key="img"):
+    """A request held on a fetch in flight: admitted False, its lookup and fetch posted."""
+    r = request(rid, key)
+    assert not consumer.admit(r, 0, lambda k: False)
+    consumer.step()  # the lookup hits, the fetch is posted
+    assert not consumer.admit(r, 0, lambda k: False)
+    return r
+
+
+def timed_step(consumer):
+    t0 = time.monotonic()
+    consumer.step()
+    return time.monotonic() - t0
+
+
+def test_the_bound_is_a_fraction_of_the_switch_interval():
+    assert 0 < cluster_tier.HOLD_YIELD_S <= 0.002
+
+
+def test_step_waits_the_bound_for_a_fetch_that_does_not_complete(consumer):
+    r = held(consumer)
+    took = timed_step(consumer)
+    assert BOUND_S * 0.9 <= took < BOUND_S + 0.5, took
+    assert not consumer.admit(r, 0, lambda k: False)  # still held: its fetch is pending
+
+
+def test_step_proceeds_as_soon_as_the_fetch_completes(consumer):
+    r = held(consumer)
+    (future,) = consumer.tier.futures
+    threading.Timer(0.05, future.set_result, ([],)).start()
+    took = timed_step(consumer)
+    assert 0.04 <= took < BOUND_S * 0.75, took
+    assert consumer.admit(r, 0, lambda k: False)  # admitted on the same step
+
+
+def test_step_without_a_held_request_does_not_wait(consumer):
+    r = held(consumer)
+    consumer.forget(r.request_id)  # its fetch runs on alone; nobody waits on it
+    assert timed_step(consumer) < BOUND_S / 4
+    assert len(consumer.tier.futures) == 1 and not consumer.tier.futures[0].done()
+
+
+def test_step_with_only_local_hits_does_not_wait(consumer):
+    assert consumer.admit(request("r2", "local"), 0, lambda k: True)
+    assert timed_step(consumer) < BOUND_S / 4
+    assert consumer.tier.futures == []
+
+
+def test_a_fetch_ended_since_the_last_step_admits_its_request_without_another_step(consumer):
+    r = held(consumer)
+    (future,) = consumer.tier.futures
+    future.set_result([])  # the get returned after the step that posted it
+    assert consumer.admit(r, 0, lambda k: False)
+    assert consumer._fetching == {}  # committed (polled) by the admission itself
+
+
+def test_a_fetch_still_in_flight_keeps_its_request_held_at_admission(consumer):
+    r = held(consumer)
+    assert not consumer.admit(r, 0, lambda k: False)
+    assert not consumer.tier.futures[0].done()
+
+
+def test_a_request_admitted_after_a_fetch_logs_its_hold_once(consumer, caplog):
+    caplog.set_level("INFO", logger="vllm.ecoffload_cluster_hold")
+    r = held(consumer)
+    consumer.tier.futures[0].set_result([])
+    consumer.step()
+    assert consumer.admit(r, 0, lambda k: False)
+    assert consumer.admit(request("r2", "local"), 0, lambda k: True)  # no fetch: no line
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "cluster hold of r1" in message and "(2 steps)" in message, message
+    posted, admitted = (float(message.split(word)[1].split()[0].rstrip(",")) for word in
+                        ("fetch posted ", "admitted "))  # fmt: skip
+    assert 0 <= posted <= admitted, message
