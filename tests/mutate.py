@@ -265,7 +265,12 @@ MODULES: dict[str, list[str]] = {
         f"{ARENA_TESTS}/test_arena_startup.py::test_no_device_alias_means_host_copies_and_one_warning",
         "tests/kernels/test_kernel_variants.py::test_a_cuda_mover_warms_up_when_it_is_created",
     ],
-    "connector/scheduler_side.py": CONNECTOR_TESTS,
+    # the scheduler's cluster tier too (issue 29: its admission, hold and publish paths)
+    "connector/scheduler_side.py": [
+        *CONNECTOR_TESTS,
+        "tests/connector/test_cluster_connector.py",
+        "tests/connector/test_cluster_consumer.py",
+    ],
     "connector/worker_side.py": [*CONNECTOR_TESTS, "tests/connector/test_memory_safety_worker.py"],
     # the modules of issue 22's split (arena.py, shared_catalog.py before it)
     **{f"engine/{name}.py": arena_tests(name) for name in ARENA_MODULES},
