@@ -306,9 +306,11 @@ done:
     return result;
 }
 
-/* An int64 buffer (C-contiguous, native order) of ``ndim`` dimensions, the last of two
- * entries when ndim is 2 (step_table.step_arrays' rules, so both passes take the same
- * arrays): its element count, or -1. */
+/* An int64 buffer (C-contiguous, native order, aligned to 8 bytes) of ``ndim``
+ * dimensions, the last of two entries when ndim is 2 (step_table.step_arrays' rules, so
+ * both passes take the same arrays): its element count, or -1. A misaligned one (numpy
+ * can make them: a view at an odd offset of a byte buffer) is left to numpy, which reads
+ * it correctly: an int64 load from it is undefined behaviour in C. */
 static Py_ssize_t int64_buffer(PyObject *o, Py_buffer *view, int ndim) {
     if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
@@ -319,6 +321,7 @@ static Py_ssize_t int64_buffer(PyObject *o, Py_buffer *view, int ndim) {
     if (*f == '@' || *f == '=') f++;
     if (view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) return -1;
     if (view->ndim != ndim || (ndim == 2 && view->shape[1] != 2)) return -1;
+    if ((uintptr_t)view->buf % _Alignof(int64_t)) return -1;
     return view->len / 8;
 }
 

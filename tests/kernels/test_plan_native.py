@@ -192,6 +192,42 @@ def test_step_arrays_it_cannot_read_as_given_are_refused(c_pass, odd):
                             8) is None  # fmt: skip
 
 
+def misaligned(array: np.ndarray) -> np.ndarray:
+    """A copy of int64 ``array`` at an odd address (a view one byte into a byte buffer)."""
+    raw = np.zeros(array.nbytes + 1, dtype=np.uint8)
+    out = raw[1:].view(np.int64).reshape(array.shape)
+    out[...] = array
+    assert out.ctypes.data % 8 and not out.flags.aligned
+    return out
+
+
+@pytest.mark.parametrize("which", ["extents", "bounds"])
+def test_misaligned_step_arrays_are_left_to_numpy(c_pass, which):
+    # an int64 load from an address that is no multiple of 8 is undefined behaviour in C
+    # (UBSan reports it; some machines trap): the C pass declines, numpy plans them
+    offsets, sizes, tables, total = small.step(11)
+    step = StepTable.from_tables(tables)
+    want = plan_copy(offsets, sizes, step, block_bytes=small.B, items_bytes=total,
+                     arena_bytes=small.BLOCKS * small.B)  # fmt: skip
+    extents, bounds = step.extents, step.bounds
+    if which == "extents":
+        extents = misaligned(extents)
+    else:
+        bounds = misaligned(bounds)
+    assert c_pass.check_step(extents, bounds) is None
+    assert c_pass.check_step(extents, bounds, small.BLOCKS) is None
+    args = small.args_of(offsets, sizes, tables, total)
+    _, _, _, block, blocks, *rest = args
+    assert c_pass.plan_step(offsets, sizes, extents, bounds, block, blocks * block, *rest,
+                            8) is None  # fmt: skip
+    odd = StepTable.__new__(StepTable)
+    odd.extents, odd.bounds = extents, bounds
+    odd.check(small.BLOCKS)  # numpy's check: inside the arena
+    got = plan_copy(offsets, sizes, odd, block_bytes=small.B, items_bytes=total,
+                    arena_bytes=small.BLOCKS * small.B)  # fmt: skip
+    assert torch.equal(got.table, want.table) and got.vec_bytes == want.vec_bytes
+
+
 class Index:
     """An int-like whose ``__index__`` runs code: here, code that empties a list the C pass
     is reading (it must never run such code while it holds borrowed references)."""
