@@ -129,6 +129,7 @@ class ArenaPeer:
         self.arena, self.name = arena, name
         self._remotes: dict[str, PeerCard] = {}
         self._live: set[PullHandle] = set()  # posted and not settled
+        self._read_from: set[str] = set()  # peers read from since their connect
         self._reg = self._window_reg = None
         self.window: ExportWindow | None = None
         self._agent: Any = None  # NIXL's nixl_agent once created
@@ -231,6 +232,7 @@ class ArenaPeer:
         """Forget a remote peer; its transfers still pending end "error" (see ``settled``)."""
         if self._remotes.pop(name, None) is None:
             return
+        self._read_from.discard(name)
         for h in list(self._live):
             if h.peer == name and h.state == "pending":
                 h.state, h.error = "error", f"peer {name!r} was disconnected"
@@ -284,6 +286,8 @@ class ArenaPeer:
         now = time.monotonic()
         handle = PullHandle(peer, total, len(rows), bytes(notify), now,
                             None if timeout_s is None else now + timeout_s)  # fmt: skip
+        handle.first = peer not in self._read_from
+        self._read_from.add(peer)
         if not rows:
             try:
                 self._agent.send_notif(peer, bytes(notify))
@@ -323,19 +327,26 @@ class ArenaPeer:
         settles an abandoned transfer once NIXL no longer has it active."""
         if handle.settled:
             return handle.state
+        now = time.monotonic()
+        last = handle._last_poll if handle.polls else handle.started
+        handle.polls += 1
+        handle.longest_gap = max(handle.longest_gap, now - last)
+        handle._last_poll = now
         try:
             status = self._agent.check_xfer_state(handle._xfer)
             why = "NIXL reported the transfer failed"
         except Exception as exc:  # e.g. nixlRemoteDisconnectError: the remote went away
             status, why = "ERR", f"{type(exc).__name__}: {exc}"
         if status == "PROC":
-            if (
-                handle.state == "pending"
-                and handle.deadline is not None
-                and time.monotonic() >= handle.deadline
-            ):
+            if handle.state == "pending" and handle.deadline is not None and now >= handle.deadline:
                 limit = handle.deadline - handle.started
-                handle.state, handle.error = "error", f"timed out after {limit:g} s"
+                first = "; the first read from this peer" if handle.first else ""
+                handle.state = "error"
+                handle.error = (
+                    f"timed out after {limit:g} s: NIXL still had the read in progress at "
+                    f"poll {handle.polls} (longest wait between polls "
+                    f"{handle.longest_gap:.2f} s{first})"
+                )
             return handle.state
         if handle.state == "pending":
             handle.state = "done" if status == "DONE" else "error"

@@ -69,7 +69,11 @@ class PeerCard:
 @dataclass(eq=False)
 class PullHandle:
     """One posted READ. ``state`` is what :meth:`ArenaPeer.poll` last answered;
-    ``settled`` is True once NIXL can no longer write into the local blocks."""
+    ``settled`` is True once NIXL can no longer write into the local blocks.
+    ``polls`` and ``longest_gap`` (seconds between two polls, or from the post to
+    the first) say, when the read timed out, whether its poller was starved or
+    the transfer stood still; ``first`` marks the first read from its peer since
+    connecting (UCX makes the connection then)."""
 
     peer: str
     nbytes: int
@@ -80,6 +84,10 @@ class PullHandle:
     state: TransferState = "pending"
     error: str | None = None
     settled: bool = False
+    first: bool = False
+    polls: int = 0
+    longest_gap: float = 0.0
+    _last_poll: float = field(default=0.0, repr=False)
     _xfer: Any = field(default=None, repr=False)
 
 

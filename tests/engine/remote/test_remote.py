@@ -306,13 +306,26 @@ def test_deadline_gives_error_and_settles_when_the_transfer_ends(arena_dir, monk
         with dst, ArenaPeer(dst, "cons", host="127.0.0.1") as cons:
             name = cons.connect(card)
             h = cons.read(name, [Pull([(0, 256)], [(0, 256)], 256 << 20)], timeout_s=0.0)
-            assert cons.poll(h) == "error" and "timed out" in h.error
+            time.sleep(0.05)
+            assert cons.poll(h) == "error", h.error
+            # what a starved poller and a transfer that stood still tell apart
+            assert h.error.startswith(
+                "timed out after 0 s: NIXL still had the read in "
+                "progress at poll 1 (longest wait between polls "
+            ), h.error
+            assert h.error.endswith(" s; the first read from this peer)"), h.error
+            assert h.polls == 1 and 0.05 <= h.longest_gap < 30 and h.first
+            gap = float(h.error.split("between polls ")[1].split()[0])
+            assert gap == round(h.longest_gap, 2), h.error
             assert not h.settled and cons.unsettled == [h]  # bytes may still land
             deadline = time.monotonic() + 60
             while not h.settled and time.monotonic() < deadline:
                 assert cons.poll(h) == "error"  # stays error even if it completes
                 time.sleep(0.01)
             assert h.settled and not cons.unsettled
+            assert not cons.read(name, []).first  # a second read: the connection is made
+            cons.disconnect(name)
+            assert cons.read(cons.connect(card), []).first  # connected anew: first again
     finally:
         notifs = stop_producer(proc)
-    assert notifs in ([], [("cons", "")])  # no message was asked for
+    assert set(notifs) <= {("cons",)}  # no message was asked for (none, or empty ones)
