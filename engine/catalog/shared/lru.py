@@ -46,8 +46,8 @@ class LRUPolicy(CatalogState):
             w[H_DIRTY] = self._pid
             prev, nxt = w[b + S_PREV], w[b + S_NEXT]
             self._check_links(s, prev, nxt, tail)
-            if nxt < 0:  # s is not the tail: it has a successor
-                self._corrupt(f"LRU: slot {s} has no successor but the tail is {tail}")
+            if nxt < 0 or tail < 0:  # s is listed, not last: it has a successor, the list a tail
+                self._corrupt(f"LRU: slot {s} has successor {nxt} but the tail is {tail}")
             if prev >= 0:
                 w[sl + prev * SLOT_WORDS + S_NEXT] = nxt
             else:
@@ -72,8 +72,14 @@ class LRUPolicy(CatalogState):
         w, sl = self._w, self._sl
         b = sl + s * SLOT_WORDS
         tail = w[H_LRU_TAIL]
-        if not -1 <= tail < self._nslots or (tail >= 0 and w[sl + tail * SLOT_WORDS + S_NEXT] >= 0):
-            self._corrupt(f"LRU: the tail is slot {tail} (slots: {self._nslots}), not the last")
+        if (
+            not -1 <= tail < self._nslots
+            or (tail >= 0 and w[sl + tail * SLOT_WORDS + S_NEXT] >= 0)
+            or (tail < 0 and w[H_LRU_HEAD] >= 0)  # an empty list has no head either
+        ):
+            head = w[H_LRU_HEAD]
+            self._corrupt(f"LRU: the tail is slot {tail} (head {head}, slots: {self._nslots}), "
+                          "not the last")  # fmt: skip
         w[b + S_PREV] = tail
         w[b + S_NEXT] = -1
         if tail >= 0:

@@ -215,7 +215,53 @@ CASES["lru-tail-s-successor-slot-0"] = (
     lambda c: c._w.__setitem__(words(c, "z") + S_NEXT, slot(c, "abcd")),
     {"commit": lambda c: lambda: c.commit("w")},
 )
+CASES["lru-tail-s-successor-slot-0"][1]["evict"] = lambda c: lambda: c.evict("z")
+# the tail word at -1 (an empty list) while slots are listed: a hit on the head appended
+# it after slot -1, a word of the bucket table (found by mutating _check_links)
+CASES["lru-tail-at--1"] = (
+    lambda c: c._w.__setitem__(H_LRU_TAIL, -1),
+    {"lookup": lambda c: fresh(c, lambda: c.lookup("abcd")),
+     "commit": lambda c: lambda: c.commit("w")},
+)  # fmt: skip
+CASES["lru-tail-at-slot-0"] = (  # the head, which has a successor
+    lambda c: c._w.__setitem__(H_LRU_TAIL, slot(c, "abcd")),
+    {"commit": lambda c: lambda: c.commit("w")},
+)
+CASES["lru-next-of-the-head-at--1"] = (
+    lru_word("abcd", S_NEXT, -1),
+    {"lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))},
+)
+CASES["lru-prev-of-the-head-s-successor-elsewhere"] = (
+    lambda c: c._w.__setitem__(words(c, "b") + S_PREV, slot(c, "z")),
+    {"evict": lambda c: lambda: c.evict("abcd")},
+)
+# an eviction's walk from the head: past the table, and round a pinned slot for ever
+# (12 blocks wanted: the 9 free and the 3 evictable, so the walk goes on past "abcd")
+CASES["lru-next-of-the-head-past-the-table"] = (
+    lru_word("abcd", S_NEXT, MAX_ITEMS),
+    {"reserve": lambda c: lambda: c.reserve("new", 12 * B)},
+)
+CASES["lru-cycle-at-a-pinned-slot"] = (
+    lambda c: c._w.__setitem__(words(c, "b") + S_NEXT, slot(c, "b")),
+    {"reserve": lambda c: lambda: c.reserve("new", 12 * B)},
+)
 RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
+# What the error names, where a case's damage has one message whatever the paths
+# (slots: "abcd" 0, "b" 1, "w" 2, "z" 3)
+SAYS = {
+    ("lru-tail-at--1", "lookup"): "LRU: slot 0 has successor 1 but the tail is -1",
+    ("lru-tail-at--1", "commit"): "LRU: the tail is slot -1 (head 0, slots: 8), not the last",
+    ("lru-tail-at-slot-0", "commit"): "LRU: the tail is slot 0 (head 0, slots: 8), not the last",
+    ("lru-tail-at-8", "commit"): "LRU: the tail is slot 8 (head 0, slots: 8), not the last",
+    ("lru-next-of-the-head-at--1", "lookup"): "LRU: slot 0 has successor -1 but the tail is 3",
+    ("lru-prev-of-the-tail-at-slot-0", "evict"):
+        "LRU links of slot 3 (previous 0, next -1, tail -1) do not link back to it (slots: 8)",
+    ("lru-prev-of-the-head-s-successor-elsewhere", "evict"):
+        "LRU links of slot 0 (previous -1, next 1, tail -1) do not link back to it (slots: 8)",
+    ("lru-next-of-the-head-past-the-table", "reserve"):
+        "LRU list reaches slot 8 after 1 (slots: 8)",
+    ("lru-cycle-at-a-pinned-slot", "reserve"): "LRU list reaches slot 1 after 8 (slots: 8)",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c-paths", "python"])
@@ -230,6 +276,7 @@ def test_a_corrupt_word_is_refused_within_the_deadline_and_rebuilt(tmp_path, cas
     outcome, message = in_child_with_deadline(ops[op](c), not case.startswith("pin-list"))
     assert outcome == "CatalogCorruptError", message
     assert "rebuilt from its slot table" in message
+    assert SAYS.get((case, op), "") in message
     assert c._w[H_RECOVERIES] == recoveries + 1
     c.check()  # consistent again, dirty clear, nothing lost
     assert c.state("b") is not None and "b" in c  # the live pin kept it

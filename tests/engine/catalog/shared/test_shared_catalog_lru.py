@@ -65,3 +65,54 @@ def test_the_reap_alone_makes_room_and_a_room_it_cannot_make_is_refused(tmp_path
     c.unpin("keep")
     c.check()
     c.close()
+
+
+def test_reaps_are_at_most_every_50_ms(tmp_path, monkeypatch):
+    c = open_shared(tmp_path / "c", 4, max_items=4)
+    c.reserve("all", 4 * B)
+    c.commit("all")
+    c.pin("all")
+    reaps = []
+    monkeypatch.setattr(c, "_reap", lambda: reaps.append(time.monotonic()) or 0)
+    c._last_reap = time.monotonic() - 1.0
+    assert c.reserve("a", B) is None and c.reserve("b", B) is None  # within 50 ms: one reap
+    assert len(reaps) == 1
+    c._last_reap = time.monotonic() - 0.06
+    assert c.reserve("a", B) is None and len(reaps) == 2
+    c.unpin("all")
+    c.close()
+
+
+def test_a_walk_over_every_slot_of_a_full_table_is_no_cycle(tmp_path):
+    """Room for the whole arena takes the walk through all ``max_items`` slots: the
+    cycle test stops a walk past that many hops, never one of exactly that many."""
+    c = open_shared(tmp_path / "c", 8, max_items=4)
+    for key in "abcd":
+        c.reserve(key, 2 * B)
+        c.commit(key)
+    assert c.reserve("e", 8 * B) is not None
+    assert c.stats().evictions == 4 and all(c.state(k) is None for k in "abcd")
+    c.check()
+    c.close()
+
+
+def test_a_slot_a_hit_moved_to_the_tail_is_evicted_and_appended_after(tmp_path):
+    """The Python paths (a hit is C's otherwise): a hit relinks its slot as the tail,
+    whose links an eviction, an append and the checker then follow."""
+    c = open_shared(tmp_path / "c", 8, max_items=4)
+    c._fast = None
+    for key in "abc":
+        c.reserve(key, B)
+        c.commit(key)
+    assert c.lookup("a") is not None  # a, the head, to the tail: b c a
+    c.check()
+    c.evict("a")
+    c.reserve("d", B)
+    c.commit("d")
+    assert c.lookup("b") is not None  # c d b
+    c.check()
+    assert c.reserve("e", 6 * B) is not None  # 5 free: c, the oldest, goes
+    assert c.state("c") is None and c.stats().evictions == 2  # and "a", by hand
+    assert c.state("d") is not None and c.state("b") is not None
+    c.check()
+    c.close()
