@@ -23,6 +23,7 @@ from ecoffload.engine.catalog.shared.format import (
     H_CLASSES,
     H_DIRTY,
     H_LRU_TAIL,
+    H_MASK,
     H_PIN_FREE,
     H_RECOVERIES,
     H_SLOT_FREE,
@@ -245,6 +246,44 @@ CASES["lru-cycle-at-a-pinned-slot"] = (
     lambda c: c._w.__setitem__(words(c, "b") + S_NEXT, slot(c, "b")),
     {"reserve": lambda c: lambda: c.reserve("new", 12 * B)},
 )
+
+
+def block_word(array: str, block: int, value: int):
+    """Damage: ``block``'s word of the per-block array ``array`` (``_fs`` sizes, ``_fe``
+    end tags, ``_fn``/``_fp`` free-list links) set to ``value``."""
+    return lambda c: c._i.__setitem__(getattr(c, array) + block, value)
+
+
+def class_head(k: int, value: int):
+    return lambda c: c._w.__setitem__(H_CLASSES + k, value)
+
+
+# Free extents: blocks 7-15 are the only one (9 blocks, class 3). A reserve of 8 scans
+# class 3, of 9 fits it exactly, of 4 or 1 takes the head of class 3 unscanned; an
+# eviction of "abcd" (blocks 0-1, no free neighbour) inserts into class 1.
+reserve = {n: (lambda c, n=n: lambda: c.reserve("new", n * B)) for n in (1, 4, 8, 9)}
+stats = {"stats": lambda c: lambda: c.stats()}
+for name, damage, ops in (
+    ("free-extent-next-at-the-block-count", block_word("_fn", 7, 16),
+     {"reserve-8": reserve[8], "reserve-9": reserve[9], **stats}),
+    ("free-extent-next-at--2", block_word("_fn", 7, -2), {"reserve-9": reserve[9]}),
+    ("free-extent-prev-past-the-blocks", block_word("_fp", 7, 16), {"reserve-8": reserve[8]}),
+    ("free-extent-prev-at--2", block_word("_fp", 7, -2), {"reserve-8": reserve[8]}),
+    ("free-extent-longer-than-the-blocks", block_word("_fs", 7, 100),
+     {"reserve-8": reserve[8]}),
+    ("free-extent-shorter-than-its-class", block_word("_fs", 7, 2), {"reserve-4": reserve[4]}),
+    ("free-extent-class-head-at-a-used-block", class_head(3, 0), {"reserve-8": reserve[8]}),
+    ("free-extent-class-head-at-the-block-count", class_head(3, 16),
+     {"reserve-1": reserve[1]}),
+    ("free-extent-mask-cleared", lambda c: c._w.__setitem__(H_MASK, 0),
+     {"reserve-4": reserve[4]}),
+    ("free-extent-class-1-head-at--2", class_head(1, -2),
+     {"evict": lambda c: lambda: c.evict("abcd")}),
+    ("free-extent-class-1-head-at-the-block-count", class_head(1, 16),
+     {"evict": lambda c: lambda: c.evict("abcd")}),
+    ("free-extent-top-class-cycle", block_word("_fn", 7, 7), stats),
+):  # fmt: skip
+    CASES[name] = (damage, ops)
 RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
 # What the error names, where a case's damage has one message whatever the paths
 # (slots: "abcd" 0, "b" 1, "w" 2, "z" 3)
@@ -261,6 +300,32 @@ SAYS = {
     ("lru-next-of-the-head-past-the-table", "reserve"):
         "LRU list reaches slot 8 after 1 (slots: 8)",
     ("lru-cycle-at-a-pinned-slot", "reserve"): "LRU list reaches slot 1 after 8 (slots: 8)",
+    ("free-extent-class-past-the-blocks", "reserve"):
+        "free extent at block 116 of 16: 0 blocks, links -1, -1",
+    ("free-extent-next-at-the-block-count", "reserve-8"): "free extents of class 3 reach block 16",
+    ("free-extent-next-at-the-block-count", "reserve-9"):
+        "free extent at block 7 of 16: 9 blocks, links -1, 16",
+    ("free-extent-next-at-the-block-count", "stats"):
+        "the longest free extents reach block 16 after 1",
+    ("free-extent-next-at--2", "reserve-9"): "free extent at block 7 of 16: 9 blocks, links -1, -2",
+    ("free-extent-prev-past-the-blocks", "reserve-8"):
+        "free extent at block 7 of 16: 9 blocks, links 16, -1",
+    ("free-extent-prev-at--2", "reserve-8"): "free extent at block 7 of 16: 9 blocks, links -2, -1",
+    ("free-extent-longer-than-the-blocks", "reserve-8"):
+        "free extent at block 7 of 16: 100 blocks, links -1, -1",
+    ("free-extent-shorter-than-its-class", "reserve-4"):
+        "free extent at block 7: 2 blocks, taken for 4",
+    ("free-extent-class-head-at-a-used-block", "reserve-8"):
+        "free extent at block 0 of 16: 0 blocks, links -1, -1",
+    ("free-extent-class-head-at-the-block-count", "reserve-1"):
+        "free extent at block 16 of 16: 0 blocks, links -1, -1",
+    ("free-extent-mask-cleared", "reserve-4"):
+        "no free extent left for 4 blocks, though 9 were counted free",
+    ("free-extent-class-1-head-at--2", "evict"):
+        "free extents of class 1 start at block -2 (blocks: 16)",
+    ("free-extent-class-1-head-at-the-block-count", "evict"):
+        "free extents of class 1 start at block 16 (blocks: 16)",
+    ("free-extent-top-class-cycle", "stats"): "the longest free extents reach block 7 after 16",
 }  # fmt: skip
 
 
@@ -324,4 +389,15 @@ def test_a_ready_item_whose_verification_mark_is_no_mark_is_freed_by_recovery(tm
     c.check()
     assert "abcd" not in c and c.state("abcd") is None
     assert c.lookup("z") is not None and c.state("b") is not None  # the others kept
+    c.close()
+
+
+def test_a_left_tag_naming_no_free_extent_is_checked_not_followed(tmp_path):
+    """A free's left neighbour is found by the end tag of the block below it, a hint
+    checked against the neighbour's own size word before the two are merged."""
+    c = healthy(tmp_path / "c", native=False)
+    c._i[c._fe + 5] = 2  # block 5 ("w") tagged as the end of a free extent from 2 ("b")
+    c.evict("z")  # block 6: merged with 7-15 on its right, not with 2-5 on its left
+    assert c.allocator.free_blocks == 10 and c.stats().largest_free_extent == 10
+    assert [tuple(e) for e in c.reserve("new", 10 * B).extents] == [(6, 10)]
     c.close()

@@ -61,3 +61,22 @@ def test_the_own_class_search_looks_at_the_first_8_extents_only(tmp_path):
     assert c.allocator.free_blocks == 45
     c.check()
     c.close()
+
+
+def test_the_next_class_up_is_the_nearest_non_empty_one(tmp_path):
+    """With the own class empty and the next one too, the class above them."""
+    c = open_shared(tmp_path / "c", 12, max_items=8)
+    assert carve(c, [2, 8]) == [0, 3]
+    free(c, 0, 1)  # a 2 at 0 (class 2-3), an 8 at 3 (class 8-15); classes 1 and 4-7 empty
+    assert placed(c, "x", 1) == [(0, 1)]  # the nearest class up is 2-3: the 2, not the 8
+    assert placed(c, "y", 2) == [(3, 2)]  # class 2-3 empty now (1 left at 1): the 8
+    c.check()
+    c.close()
+
+
+def test_the_longest_free_extent_of_single_blocks_is_one(tmp_path):
+    c = open_shared(tmp_path / "c", 4, max_items=4)
+    carve(c, [1, 1])
+    free(c, 0, 1)
+    assert c.allocator.free_blocks == 2 and c.allocator.largest_free_extent == 1
+    c.close()
