@@ -142,6 +142,8 @@ LRU_LINK = "assert w[b + S_STATE] == READY and w[b + S_PREV] == prev"
 LRU_ENDS = "assert prev == w[H_LRU_TAIL] and seen == ready_items"
 KEY = "assert zlib.crc32(key) == w[b + S_HASH] and self._find(key, w[b + S_HASH]) == s"
 FREE_SLOTS = "assert cnt == lay.max_items - items"
+PIN_LIST = 'assert r < lay.max_pins and hops < lay.max_pins, f"slot {s}: pin list at {r}"'
+MARK = 'assert ok, f"slot {s}: verification mark {mark} in state {state}"'
 
 # case id -> (the damage, check's message, the statement that catches it)
 CASES = {
@@ -302,7 +304,66 @@ CASES = {
         "pin free list has a cycle",
         'assert free_pins <= lay.max_pins, "pin free list has a cycle"',
     ),
+    # walks that leave their table, or go round
+    "lru-head-past-the-table": (
+        _set(lambda c: f.H_LRU_HEAD, 6),
+        "LRU list reaches slot 6",
+        'assert s < lay.max_items, f"LRU list reaches slot {s}"',
+    ),
+    "free-extent-class-head-at-the-block-count": (
+        _set(lambda c: f.H_CLASSES, 16),
+        "class 0: free extent at block 16",
+        'assert s < n, f"class {k}: free extent at block {s}"',
+    ),
+    "slot-free-list-past-the-table": (
+        _set(lambda c: f.H_SLOT_FREE, 6),
+        "slot free list reaches slot 6",
+        'assert s < lay.max_items, f"slot free list reaches slot {s}"',
+    ),
+    "slot-free-list-cycle": (
+        _set(lambda c: slot(c, 2) + f.S_HNEXT, 4),  # 4 -> 2 -> 4
+        "slot free list has a cycle",
+        'assert cnt <= lay.max_items, "slot free list has a cycle"',
+    ),
+    "pin-free-list-past-the-records": (
+        _set(lambda c: f.H_PIN_FREE, 4),
+        "pin free list reaches record 4",
+        'assert r < lay.max_pins, f"pin free list reaches record {r}"',
+    ),
+    "pin-list-past-the-records": (
+        _set(lambda c: slot(c, 0) + f.S_PIN_HEAD, 4),
+        "slot 0: pin list at 4",
+        PIN_LIST,
+    ),
+    "pin-list-cycle": (_set(lambda c: pin(c, 0) + f.P_NEXT, 0), "slot 0: pin list at 0", PIN_LIST),
+    # warm starts' verification marks (issue 31) and their counts
+    "verification-mark-unknown": (
+        _set(lambda c: slot(c, 1) + f.S_VERIFY, 5),
+        f"slot 1: verification mark 5 in state {f.READY}",
+        MARK,
+    ),
+    "writing-item-unverified": (
+        _set(lambda c: slot(c, 3) + f.S_VERIFY, f.UNVERIFIED),
+        f"slot 3: verification mark {f.UNVERIFIED} in state {f.WRITING}",
+        MARK,
+    ),
+    "unverified-count-off": (
+        _set(lambda c: slot(c, 1) + f.S_VERIFY, f.UNVERIFIED),
+        "unverified item count is off",
+        "assert (left, left_bytes) == (w[H_VERIFY_LEFT], w[H_VERIFY_LEFT_BYTES]), (",
+    ),
 }
+
+
+def test_unverified_items_counted_in_the_header_pass(tmp_path):
+    c = healthy(tmp_path / "c")
+    for s in (0, 1):  # a (2 blocks) and b (3), READY
+        c._w[slot(c, s) + f.S_VERIFY] = f.UNVERIFIED
+    c._w[f.H_VERIFY_LEFT], c._w[f.H_VERIFY_LEFT_BYTES] = 2, 5 * B
+    c.check()
+    c._w[f.H_VERIFY_LEFT_BYTES] = 3 * B  # b's bytes alone
+    assert refused(c)[0] == "unverified item count is off"
+    c.close()
 
 
 @pytest.mark.parametrize("case", CASES)
