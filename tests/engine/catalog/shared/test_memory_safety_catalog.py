@@ -197,7 +197,8 @@ for value in (MAX_ITEMS, -2):
         CASES[f"lru-{name}-of-the-tail-at-{value}"] = (lru_word("z", word, value), {
             "evict": lambda c: lambda: c.evict("z")})  # fmt: skip
         CASES[f"lru-{name}-of-the-head-at-{value}"] = (lru_word("abcd", word, value), {
-            "lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))})  # fmt: skip
+            "lookup": lambda c: fresh(c, lambda: c.lookup("abcd")),
+            "evict": lambda c: lambda: c.evict("abcd")})  # fmt: skip
     CASES[f"lru-tail-at-{value}"] = (
         lambda c, value=value: c._w.__setitem__(H_LRU_TAIL, value),
         {"commit": lambda c: lambda: c.commit("w"),
@@ -214,6 +215,24 @@ CASES["lru-next-of-the-head-at-slot-0"] = (
 )
 CASES["lru-tail-s-successor-slot-0"] = (
     lambda c: c._w.__setitem__(words(c, "z") + S_NEXT, slot(c, "abcd")),
+    {"commit": lambda c: lambda: c.commit("w")},
+)
+
+
+def past_the_table(c, word: int, value: int) -> None:
+    """Slot ``nslots``'s ``word`` (the keys' first words) set to ``value``: what a link
+    one past the table would find there."""
+    c._w[c._sl + MAX_ITEMS * SLOT_WORDS + word] = value
+
+
+# links one past the table, where the word they lead to looks right (a link back to the
+# slot, the tail's empty next): only the bounds test stops them
+CASES["lru-prev-of-the-tail-at-8-linking-back"] = (
+    lambda c: (lru_word("z", S_PREV, MAX_ITEMS)(c), past_the_table(c, S_NEXT, slot(c, "z"))),
+    {"evict": lambda c: lambda: c.evict("z")},
+)
+CASES["lru-tail-at-8-with-no-next"] = (
+    lambda c: (c._w.__setitem__(H_LRU_TAIL, MAX_ITEMS), past_the_table(c, S_NEXT, -1)),
     {"commit": lambda c: lambda: c.commit("w")},
 )
 CASES["lru-tail-s-successor-slot-0"][1]["evict"] = lambda c: lambda: c.evict("z")
@@ -292,6 +311,14 @@ SAYS = {
     ("lru-tail-at--1", "commit"): "LRU: the tail is slot -1 (head 0, slots: 8), not the last",
     ("lru-tail-at-slot-0", "commit"): "LRU: the tail is slot 0 (head 0, slots: 8), not the last",
     ("lru-tail-at-8", "commit"): "LRU: the tail is slot 8 (head 0, slots: 8), not the last",
+    ("lru-tail-at-8-with-no-next", "commit"):
+        "LRU: the tail is slot 8 (head 0, slots: 8), not the last",
+    ("lru-tail-at--2", "lookup"):
+        "LRU links of slot 0 (previous -1, next 1, tail -2) do not link back to it (slots: 8)",
+    ("lru-prev-of-the-tail-at-8-linking-back", "evict"):
+        "LRU links of slot 3 (previous 8, next -1, tail -1) do not link back to it (slots: 8)",
+    ("lru-next-of-the-head-at-8", "evict"):
+        "LRU links of slot 0 (previous -1, next 8, tail -1) do not link back to it (slots: 8)",
     ("lru-next-of-the-head-at--1", "lookup"): "LRU: slot 0 has successor -1 but the tail is 3",
     ("lru-prev-of-the-tail-at-slot-0", "evict"):
         "LRU links of slot 3 (previous 0, next -1, tail -1) do not link back to it (slots: 8)",
