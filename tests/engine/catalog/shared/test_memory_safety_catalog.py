@@ -375,11 +375,16 @@ def test_a_corrupt_word_is_refused_within_the_deadline_and_rebuilt(tmp_path, cas
     c.close()
 
 
-def test_a_corrupt_error_is_a_catalog_error_and_the_operation_can_be_retried(tmp_path):
+def test_a_corrupt_error_is_a_catalog_error_and_the_operation_can_be_retried(tmp_path, caplog):
     c = healthy(tmp_path / "c", native=False)
     c._w[H_SLOT_FREE] = MAX_ITEMS + 2
     with pytest.raises(CatalogError, match="the slot free list's head is slot 10 of 8"):
         c.reserve("new", B)
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert record.getMessage() == (  # the operator's line: which file, what, what now
+        f"catalog {c.path}: the slot free list's head is slot 10 of 8; "
+        "rebuilding it from its slot table"
+    )
     assert issubclass(CatalogCorruptError, CatalogError)
     assert c.reserve("new", B) is not None  # the rebuilt catalog serves at once
     c.check()

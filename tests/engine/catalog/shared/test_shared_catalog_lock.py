@@ -582,6 +582,19 @@ def test_an_unexpected_error_of_the_mutex_is_named_with_its_code(tmp_path, monke
     c.close()
 
 
+def test_an_error_code_errno_has_no_name_for_is_named_by_its_number(tmp_path):
+    path = tmp_path / "c"
+    c = _setup(path)
+    with pytest.raises(CatalogLockError) as err:
+        c._lock_slow(4242)  # what trylock answered: neither busy nor an owner's death
+    assert str(err.value) == (
+        f"catalog {path}: locking its mutex failed with 4242: {os.strerror(4242)}"
+    )
+    c.unpin("b")
+    c.check()
+    c.close()
+
+
 def test_releasing_a_lock_this_thread_does_not_hold_is_refused(tmp_path):
     c = open_shared(tmp_path / "c", 8)
     with pytest.raises(CatalogLockError) as err:
