@@ -290,6 +290,7 @@ for name, damage, ops in (
     ("free-extent-prev-at--2", block_word("_fp", 7, -2), {"reserve-8": reserve[8]}),
     ("free-extent-longer-than-the-blocks", block_word("_fs", 7, 100),
      {"reserve-8": reserve[8]}),
+    ("free-extent-one-block-past-the-end", block_word("_fs", 7, 10), {"reserve-8": reserve[8]}),
     ("free-extent-shorter-than-its-class", block_word("_fs", 7, 2), {"reserve-4": reserve[4]}),
     ("free-extent-class-head-at-a-used-block", class_head(3, 0), {"reserve-8": reserve[8]}),
     ("free-extent-class-head-at-the-block-count", class_head(3, 16),
@@ -340,6 +341,8 @@ SAYS = {
     ("free-extent-prev-at--2", "reserve-8"): "free extent at block 7 of 16: 9 blocks, links -2, -1",
     ("free-extent-longer-than-the-blocks", "reserve-8"):
         "free extent at block 7 of 16: 100 blocks, links -1, -1",
+    ("free-extent-one-block-past-the-end", "reserve-8"):
+        "free extent at block 7 of 16: 10 blocks, links -1, -1",
     ("free-extent-shorter-than-its-class", "reserve-4"):
         "free extent at block 7: 2 blocks, taken for 4",
     ("free-extent-class-head-at-a-used-block", "reserve-8"):
