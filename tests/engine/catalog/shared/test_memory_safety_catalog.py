@@ -10,6 +10,7 @@ operation must raise CatalogCorruptError, having rebuilt the catalog, whose
 check passes after.
 """
 
+import os
 import zlib
 
 import pytest
@@ -17,6 +18,7 @@ from catalogs import B, open_shared
 from deadline import in_child
 
 from ecoffload.engine.base.errors import CatalogCorruptError, CatalogError
+from ecoffload.engine.catalog.shared import format as fmt
 from ecoffload.engine.catalog.shared import native as shared_catalog_native
 from ecoffload.engine.catalog.shared.catalog import SharedCatalog
 from ecoffload.engine.catalog.shared.format import (
@@ -235,6 +237,40 @@ CASES["lru-tail-at-8-with-no-next"] = (
     lambda c: (c._w.__setitem__(H_LRU_TAIL, MAX_ITEMS), past_the_table(c, S_NEXT, -1)),
     {"commit": lambda c: lambda: c.commit("w")},
 )
+
+
+def foreign_pin(c, then: int | None) -> int:
+    """Another process's pin record (a free one, filled in) put at the head of "b"'s pin
+    list, its next ``then`` (None: this process's record, as a second pinner leaves it).
+    A walk for this process's record passes it in this very process: no child needed."""
+    w, s = c._w, slot(c, "b")
+    r = w[fmt.H_PIN_FREE]
+    p = c._pn + r * PIN_WORDS
+    w[fmt.H_PIN_FREE] = w[p + P_NEXT]
+    head = w[words(c, "b") + S_PIN_HEAD]
+    w[p + fmt.P_SLOT], w[p + fmt.P_COUNT] = s, 1
+    w[p + fmt.P_PID], w[p + fmt.P_START] = os.getppid(), 12345  # not this process
+    w[p + P_NEXT] = head if then is None else then
+    w[words(c, "b") + S_PIN_HEAD] = r
+    w[words(c, "b") + fmt.S_PINS] += 1
+    return r
+
+
+PINNERS = {
+    "pin": lambda c: fresh(c, lambda: c.pin("b")),
+    "unpin": lambda c: fresh(c, lambda: c.unpin("b")),
+    "lookup-pin": lambda c: fresh(c, lambda: c.lookup("b", pin=True)),
+    "pin-many": lambda c: fresh(c, lambda: c.pin_many(["b", "z"])),
+    "unpin-many": lambda c: fresh(c, lambda: c.unpin_many(["b"])),
+}
+CASES["foreign-pin-record-cycle"] = (
+    lambda c: foreign_pin(c, then=c._w[fmt.H_PIN_FREE]),  # its own index: itself
+    PINNERS,
+)
+CASES["foreign-pin-record-next-past-the-records"] = (
+    lambda c: foreign_pin(c, then=MAX_PINS),
+    PINNERS,
+)
 CASES["lru-tail-s-successor-slot-0"][1]["evict"] = lambda c: lambda: c.evict("z")
 # the tail word at -1 (an empty list) while slots are listed: a hit on the head appended
 # it after slot -1, a word of the bucket table (found by mutating _check_links)
@@ -305,13 +341,72 @@ for name, damage, ops in (
 ):  # fmt: skip
     CASES[name] = (damage, ops)
 RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
-# What the error names, where a case's damage has one message whatever the paths
-# (slots: "abcd" 0, "b" 1, "w" 2, "z" 3)
+# What the error names: the damaged word, its value and what it leads to, the same
+# through the C paths and Python's (slots: "abcd" 0, "b" 1, "w" 2, "z" 3)
 SAYS = {
+    ('pin-list-cycle', 'pin'): "slot 1's pin list reaches record 0 after 4 records (records: 4)",
+    ('pin-list-cycle', 'unpin'): "slot 1's pin list reaches record 0 after 4 records (records: 4)",
+    ('pin-list-cycle', 'lookup-pin'):
+        "slot 1's pin list reaches record 0 after 4 records (records: 4)",
+    ('pin-free-list-past-the-records', 'pin'): "the pin free list's head is record 6 of 4",
+    ('slot-free-list-past-the-table', 'reserve'): "the slot free list's head is slot 10 of 8",
+    ('lru-tail-past-the-table', 'lookup'):
+        'LRU links of slot 0 (previous -1, next 1, tail 11) do not link back to it (slots: 8)',
+    ('lru-tail-past-the-table', 'commit'):
+        'LRU: the tail is slot 11 (head 0, slots: 8), not the last',
+    ('extent-chain-cycle', 'entry'):
+        "slot 0's extent chain reaches (0, 2) after 16 extents (ready blocks: 16)",
+    ('extent-chain-cycle', 'lookup'):
+        "slot 0's extent chain reaches (0, 2) after 16 extents (ready blocks: 16)",
+    ('extent-chain-cycle', 'evict'):
+        "slot 0's extent chain reaches (0, 2) after 16 extents (ready blocks: 16)",
+    ('unverified-extent-chain-cycle', 'lookup'):
+        "slot 0's extent chain reaches (0, 2) after 16 extents (ready blocks: 16)",
+    ('unverified-extent-chain-cycle', 'verify-step'):
+        "slot 0's extent chain reaches (0, 2) after 16 extents (ready blocks: 16)",
+    ('hash-chain-cycle', 'lookup-missing'):
+        'hash chain of bucket 7 reaches slot 3 after 8 hops (slots: 8)',
+    ('hash-chain-cycle', 'reserve-same-bucket'):
+        'hash chain of bucket 7 reaches slot 3 after 8 hops (slots: 8)',
+    ('lru-prev-of-the-tail-at-8', 'evict'):
+        'LRU links of slot 3 (previous 8, next -1, tail -1) do not link back to it (slots: 8)',
+    ('lru-prev-of-the-head-at-8', 'lookup'):
+        'LRU links of slot 0 (previous 8, next 1, tail 3) do not link back to it (slots: 8)',
+    ('lru-prev-of-the-head-at-8', 'evict'):
+        'LRU links of slot 0 (previous 8, next 1, tail -1) do not link back to it (slots: 8)',
+    ('lru-next-of-the-tail-at-8', 'evict'):
+        'LRU links of slot 3 (previous 1, next 8, tail -1) do not link back to it (slots: 8)',
+    ('lru-next-of-the-head-at-8', 'lookup'):
+        'LRU links of slot 0 (previous -1, next 8, tail 3) do not link back to it (slots: 8)',
+    ('lru-tail-at-8', 'lookup'):
+        'LRU links of slot 0 (previous -1, next 1, tail 8) do not link back to it (slots: 8)',
+    ('lru-prev-of-the-tail-at--2', 'evict'):
+        'LRU links of slot 3 (previous -2, next -1, tail -1) do not link back to it (slots: 8)',
+    ('lru-prev-of-the-head-at--2', 'lookup'):
+        'LRU links of slot 0 (previous -2, next 1, tail 3) do not link back to it (slots: 8)',
+    ('lru-prev-of-the-head-at--2', 'evict'):
+        'LRU links of slot 0 (previous -2, next 1, tail -1) do not link back to it (slots: 8)',
+    ('lru-next-of-the-tail-at--2', 'evict'):
+        'LRU links of slot 3 (previous 1, next -2, tail -1) do not link back to it (slots: 8)',
+    ('lru-next-of-the-head-at--2', 'lookup'):
+        'LRU links of slot 0 (previous -1, next -2, tail 3) do not link back to it (slots: 8)',
+    ('lru-next-of-the-head-at--2', 'evict'):
+        'LRU links of slot 0 (previous -1, next -2, tail -1) do not link back to it (slots: 8)',
+    ('lru-tail-at--2', 'commit'): 'LRU: the tail is slot -2 (head 0, slots: 8), not the last',
+    ('lru-next-of-the-head-at-slot-0', 'lookup'):
+        'LRU links of slot 0 (previous -1, next 0, tail 3) do not link back to it (slots: 8)',
+    ('lru-tail-s-successor-slot-0', 'commit'):
+        'LRU: the tail is slot 3 (head 0, slots: 8), not the last',
+    ('lru-tail-s-successor-slot-0', 'evict'):
+        'LRU links of slot 3 (previous 1, next 0, tail -1) do not link back to it (slots: 8)',
     ("lru-tail-at--1", "lookup"): "LRU: slot 0 has successor 1 but the tail is -1",
     ("lru-tail-at--1", "commit"): "LRU: the tail is slot -1 (head 0, slots: 8), not the last",
     ("lru-tail-at-slot-0", "commit"): "LRU: the tail is slot 0 (head 0, slots: 8), not the last",
     ("lru-tail-at-8", "commit"): "LRU: the tail is slot 8 (head 0, slots: 8), not the last",
+    **{("foreign-pin-record-cycle", op):
+       "slot 1's pin list reaches record 1 after 4 records (records: 4)" for op in PINNERS},
+    **{("foreign-pin-record-next-past-the-records", op):
+       "slot 1's pin list reaches record 4 after 1 records (records: 4)" for op in PINNERS},
     ("lru-tail-at-8-with-no-next", "commit"):
         "LRU: the tail is slot 8 (head 0, slots: 8), not the last",
     ("lru-tail-at--2", "lookup"):
@@ -371,7 +466,7 @@ def test_a_corrupt_word_is_refused_within_the_deadline_and_rebuilt(tmp_path, cas
     outcome, message = in_child_with_deadline(ops[op](c), not case.startswith("pin-list"))
     assert outcome == "CatalogCorruptError", message
     assert "rebuilt from its slot table" in message
-    assert SAYS.get((case, op), "") in message
+    assert SAYS[case, op] in message
     assert c._w[H_RECOVERIES] == recoveries + 1
     c.check()  # consistent again, dirty clear, nothing lost
     assert c.state("b") is not None and "b" in c  # the live pin kept it
@@ -435,4 +530,16 @@ def test_a_left_tag_naming_no_free_extent_is_checked_not_followed(tmp_path):
     c.evict("z")  # block 6: merged with 7-15 on its right, not with 2-5 on its left
     assert c.allocator.free_blocks == 10 and c.stats().largest_free_extent == 10
     assert [tuple(e) for e in c.reserve("new", 10 * B).extents] == [(6, 10)]
+    c.close()
+
+
+def test_a_pin_behind_another_process_s_record_is_found_and_unlinked(tmp_path):
+    c = healthy(tmp_path / "c", native=False)
+    r = foreign_pin(c, then=None)  # b: the other process's record, then this one's
+    c.check()
+    c.unpin("b")  # this process's record, second on the list, unlinked
+    assert c._w[words(c, "b") + S_PIN_HEAD] == r and c._w[words(c, "b") + fmt.S_PINS] == 1
+    c.check()
+    with pytest.raises(CatalogError):
+        c.unpin("b")  # none of this process's left
     c.close()
