@@ -43,6 +43,7 @@ from ecoffload.engine.catalog.shared.format import (
     S_VERIFY,
     SLOT_WORDS,
     UNVERIFIED,
+    VERIFIED,
 )
 
 DEADLINE_S = 10.0  # a fixed catalog answers in milliseconds; a loop never does
@@ -271,6 +272,42 @@ CASES["foreign-pin-record-next-past-the-records"] = (
     lambda c: foreign_pin(c, then=MAX_PINS),
     PINNERS,
 )
+
+
+def off_its_hash_chain(c, key: str) -> None:
+    """Damage: ``key``'s slot taken out of its bucket's chain (its key no longer found)."""
+    w, s = c._w, slot(c, key)
+    at = c._bk + (w[words(c, key) + S_HASH] & c._hmask)
+    while w[at] != s:
+        at = c._sl + w[at] * SLOT_WORDS + S_HNEXT
+    w[at] = w[words(c, key) + S_HNEXT]
+
+
+# an eviction to make room drops its victims by slot: each is unlinked from its chain,
+# and its blocks freed after the one-extent test or the whole chain's
+CASES["hash-chain-missing-a-victim"] = (
+    lambda c: off_its_hash_chain(c, "z"),
+    {"reserve": lambda c: lambda: c.reserve("new", 12 * B)},
+)
+
+
+def victim_chain_cycle(c) -> None:
+    """Damage: "z" off its chain, which now runs round "b" for ever."""
+    off_its_hash_chain(c, "z")
+    w = c._w
+    w[c._bk + (w[words(c, "z") + S_HASH] & c._hmask)] = slot(c, "b")
+    w[words(c, "b") + S_HNEXT] = slot(c, "b")
+
+
+CASES["hash-chain-cycle-without-a-victim"] = (
+    victim_chain_cycle,
+    {"reserve": lambda c: lambda: c.reserve("new", 12 * B)},
+)
+CASES["extent-count-off-by-one"] = (
+    lambda c: c._i.__setitem__(c._ec + c.entry("abcd").extents[0].start, 1),  # of 2
+    {"evict": lambda c: lambda: c.evict("abcd"),
+     "reserve": lambda c: lambda: c.reserve("new", 12 * B)},
+)  # fmt: skip
 CASES["lru-tail-s-successor-slot-0"][1]["evict"] = lambda c: lambda: c.evict("z")
 # the tail word at -1 (an empty list) while slots are listed: a hit on the head appended
 # it after slot -1, a word of the bucket table (found by mutating _check_links)
@@ -344,6 +381,12 @@ RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
 # What the error names: the damaged word, its value and what it leads to, the same
 # through the C paths and Python's (slots: "abcd" 0, "b" 1, "w" 2, "z" 3)
 SAYS = {
+    ("hash-chain-missing-a-victim", "reserve"):
+        "slot 3 is not on its hash chain (it reaches -1 after 0 hops)",
+    ("hash-chain-cycle-without-a-victim", "reserve"):  # "abcd", sharing z's bucket, first
+        "slot 0 is not on its hash chain (it reaches 1 after 8 hops)",
+    ("extent-count-off-by-one", "evict"): "slot 0's extents hold 1 blocks, its count 2",
+    ("extent-count-off-by-one", "reserve"): "slot 0's extents hold 1 blocks, its count 2",
     ('pin-list-cycle', 'pin'): "slot 1's pin list reaches record 0 after 4 records (records: 4)",
     ('pin-list-cycle', 'unpin'): "slot 1's pin list reaches record 0 after 4 records (records: 4)",
     ('pin-list-cycle', 'lookup-pin'):
@@ -542,4 +585,21 @@ def test_a_pin_behind_another_process_s_record_is_found_and_unlinked(tmp_path):
     c.check()
     with pytest.raises(CatalogError):
         c.unpin("b")  # none of this process's left
+    c.close()
+
+
+def test_an_unverified_item_dropped_leaves_the_counts_and_its_slot_right(tmp_path):
+    """A warm start's UNVERIFIED item evicted: the header's count of items and bytes
+    left to verify lose it, and its slot, reused, holds a VERIFIED item."""
+    c = healthy(tmp_path / "c", native=False)
+    c._w[words(c, "abcd") + S_VERIFY] = UNVERIFIED
+    c._w[H_VERIFY_LEFT], c._w[H_VERIFY_LEFT_BYTES] = 1, 2 * B
+    c.check()
+    s = slot(c, "abcd")
+    c.evict("abcd")
+    assert (c._w[H_VERIFY_LEFT], c._w[H_VERIFY_LEFT_BYTES]) == (0, 0)
+    c.check()
+    c.reserve("new", B)
+    assert slot(c, "new") == s and c._w[words(c, "new") + S_VERIFY] == VERIFIED
+    c.check()
     c.close()
