@@ -303,6 +303,22 @@ CASES["hash-chain-cycle-without-a-victim"] = (
     victim_chain_cycle,
     {"reserve": lambda c: lambda: c.reserve("new", 12 * B)},
 )
+# words a fresh reader decodes into an entry (a lookup by a process that has not seen it)
+fresh_lookup = {"lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))}
+CASES["shape-of-too-many-dimensions"] = (lru_word("abcd", fmt.S_NDIM, 9), fresh_lookup)
+CASES["extent-count-zero"] = (
+    lambda c: c._i.__setitem__(c._ec + c.entry("abcd").extents[0].start, 0),
+    fresh_lookup,
+)
+CASES["extent-at-the-watermark"] = (lru_word("abcd", fmt.S_EXT, 16), fresh_lookup)
+CASES["hash-chain-slot-in-no-state"] = (
+    lru_word("z", fmt.S_STATE, 9),
+    {"lookup": lambda c: fresh(c, lambda: c.lookup("z"))},
+)
+CASES["hash-chain-next-at-8"] = (
+    lru_word("z", S_HNEXT, MAX_ITEMS),
+    {"lookup-missing": lambda c: lambda: c.lookup(same_bucket(c, "z"))},
+)
 CASES["extent-count-off-by-one"] = (
     lambda c: c._i.__setitem__(c._ec + c.entry("abcd").extents[0].start, 1),  # of 2
     {"evict": lambda c: lambda: c.evict("abcd"),
@@ -381,6 +397,14 @@ RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
 # What the error names: the damaged word, its value and what it leads to, the same
 # through the C paths and Python's (slots: "abcd" 0, "b" 1, "w" 2, "z" 3)
 SAYS = {
+    ("shape-of-too-many-dimensions", "lookup"): "slot 0 holds a shape of 9 dimensions",
+    ("extent-count-zero", "lookup"):
+        "slot 0's extent chain reaches (0, 0) after 0 extents (ready blocks: 16)",
+    ("extent-at-the-watermark", "lookup"):
+        "slot 0's extent chain reaches (16, 0) after 0 extents (ready blocks: 16)",
+    ("hash-chain-slot-in-no-state", "lookup"): "slot 3 is on a hash chain in state 9",
+    ("hash-chain-next-at-8", "lookup-missing"):
+        "hash chain of bucket 7 reaches slot 8 after 1 hops (slots: 8)",
     ("hash-chain-missing-a-victim", "reserve"):
         "slot 3 is not on its hash chain (it reaches -1 after 0 hops)",
     ("hash-chain-cycle-without-a-victim", "reserve"):  # "abcd", sharing z's bucket, first
