@@ -319,6 +319,16 @@ CASES["hash-chain-next-at-8"] = (
     lru_word("z", S_HNEXT, MAX_ITEMS),
     {"lookup-missing": lambda c: lambda: c.lookup(same_bucket(c, "z"))},
 )
+# the pin free list's head one past the records, and at a record in use (this process's
+# pin of "b": record 0, count 1)
+CASES["pin-free-list-at-the-record-count"] = (
+    lambda c: c._w.__setitem__(H_PIN_FREE, MAX_PINS),
+    {"pin": lambda c: fresh(c, lambda: c.pin("z"))},
+)
+CASES["pin-free-list-at-a-record-in-use"] = (
+    lambda c: c._w.__setitem__(H_PIN_FREE, c._w[words(c, "b") + S_PIN_HEAD]),
+    {"pin": lambda c: fresh(c, lambda: c.pin("z"))},
+)
 CASES["extent-count-off-by-one"] = (
     lambda c: c._i.__setitem__(c._ec + c.entry("abcd").extents[0].start, 1),  # of 2
     {"evict": lambda c: lambda: c.evict("abcd"),
@@ -397,6 +407,9 @@ RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
 # What the error names: the damaged word, its value and what it leads to, the same
 # through the C paths and Python's (slots: "abcd" 0, "b" 1, "w" 2, "z" 3)
 SAYS = {
+    ("pin-free-list-at-the-record-count", "pin"): "the pin free list's head is record 4 of 4",
+    ("pin-free-list-at-a-record-in-use", "pin"):
+        "the pin free list's head is record 0 of 4, with a count of 1",
     ("shape-of-too-many-dimensions", "lookup"): "slot 0 holds a shape of 9 dimensions",
     ("extent-count-zero", "lookup"):
         "slot 0's extent chain reaches (0, 0) after 0 extents (ready blocks: 16)",
