@@ -329,6 +329,22 @@ CASES["pin-free-list-at-a-record-in-use"] = (
     lambda c: c._w.__setitem__(H_PIN_FREE, c._w[words(c, "b") + S_PIN_HEAD]),
     {"pin": lambda c: fresh(c, lambda: c.pin("z"))},
 )
+CASES["slot-free-list-at-the-slot-count"] = (
+    lambda c: c._w.__setitem__(H_SLOT_FREE, MAX_ITEMS),  # one past: the first key's bytes
+    {"reserve": lambda c: lambda: c.reserve("new", B)},
+)
+
+
+def victim_chain_past_the_table(c) -> None:
+    """Damage: "z" off its chain, which now starts one past the slot table."""
+    off_its_hash_chain(c, "z")
+    c._w[c._bk + (c._w[words(c, "z") + S_HASH] & c._hmask)] = MAX_ITEMS
+
+
+CASES["hash-chain-of-a-victim-past-the-table"] = (
+    victim_chain_past_the_table,
+    {"reserve": lambda c: lambda: c.reserve("new", 12 * B)},
+)
 CASES["extent-count-off-by-one"] = (
     lambda c: c._i.__setitem__(c._ec + c.entry("abcd").extents[0].start, 1),  # of 2
     {"evict": lambda c: lambda: c.evict("abcd"),
@@ -407,6 +423,9 @@ RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
 # What the error names: the damaged word, its value and what it leads to, the same
 # through the C paths and Python's (slots: "abcd" 0, "b" 1, "w" 2, "z" 3)
 SAYS = {
+    ("slot-free-list-at-the-slot-count", "reserve"): "the slot free list's head is slot 8 of 8",
+    ("hash-chain-of-a-victim-past-the-table", "reserve"):
+        "slot 3 is not on its hash chain (it reaches 8 after 0 hops)",
     ("pin-free-list-at-the-record-count", "pin"): "the pin free list's head is record 4 of 4",
     ("pin-free-list-at-a-record-in-use", "pin"):
         "the pin free list's head is record 0 of 4, with a count of 1",
