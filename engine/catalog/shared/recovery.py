@@ -188,13 +188,16 @@ class Recovery(CatalogState):
                 self._drop(s, evicted=False)
                 n += 1
             elif state == READY and w[b + S_PINS]:
-                r, hops = w[b + S_PIN_HEAD], 0
+                # the whole list checked before a record is unlinked: an unlinked record
+                # goes onto the free list, so a cycle through it would lead the walk there
+                records, r = [], w[b + S_PIN_HEAD]
                 while r >= 0:
-                    if r >= self._npins or hops >= self._npins:
-                        self._bad_pin_list(s, r, hops)
-                    hops += 1
+                    if r >= self._npins or len(records) >= self._npins:
+                        self._bad_pin_list(s, r, len(records))
+                    records.append(r)
+                    r = w[pn + r * PIN_WORDS + P_NEXT]
+                for r in records:
                     p = pn + r * PIN_WORDS
-                    nxt = w[p + P_NEXT]
                     if not alive(w[p + P_PID], w[p + P_START], seen):
                         count = w[p + P_COUNT]
                         w[p + P_COUNT] = 0
@@ -203,7 +206,6 @@ class Recovery(CatalogState):
                         if w[b + S_PINS] == 0:
                             w[H_EVICTABLE] += w[b + S_BLOCKS]
                         n += 1
-                    r = nxt
         return n
 
     def _recover(self) -> None:

@@ -264,6 +264,13 @@ PINNERS = {
     "pin-many": lambda c: fresh(c, lambda: c.pin_many(["b", "z"])),
     "unpin-many": lambda c: fresh(c, lambda: c.unpin_many(["b"])),
 }
+# a reserve that finds no room reaps dead processes' pins first (13 blocks: the 9 free
+# and the 3 evictable are not enough): the other process's record is a dead one's (the
+# cycle, before the reap checked the whole list first, led its walk onto the free list
+# and returned with the pins miscounted)
+REAP = {"reserve-13": lambda c: lambda: c.reserve("new", 13 * B)}
+CASES["dead-pin-record-cycle"] = (lambda c: foreign_pin(c, then=c._w[fmt.H_PIN_FREE]), REAP)
+CASES["dead-pin-record-next-past-the-records"] = (lambda c: foreign_pin(c, then=MAX_PINS), REAP)
 CASES["foreign-pin-record-cycle"] = (
     lambda c: foreign_pin(c, then=c._w[fmt.H_PIN_FREE]),  # its own index: itself
     PINNERS,
@@ -423,6 +430,10 @@ RUNS = [(case, op) for case, (_, ops) in CASES.items() for op in ops]
 # What the error names: the damaged word, its value and what it leads to, the same
 # through the C paths and Python's (slots: "abcd" 0, "b" 1, "w" 2, "z" 3)
 SAYS = {
+    ("dead-pin-record-cycle", "reserve-13"):
+        "slot 1's pin list reaches record 1 after 4 records (records: 4)",
+    ("dead-pin-record-next-past-the-records", "reserve-13"):
+        "slot 1's pin list reaches record 4 after 1 records (records: 4)",
     ("slot-free-list-at-the-slot-count", "reserve"): "the slot free list's head is slot 8 of 8",
     ("hash-chain-of-a-victim-past-the-table", "reserve"):
         "slot 3 is not on its hash chain (it reaches 8 after 0 hops)",
