@@ -3,6 +3,7 @@
 import os
 
 from ecoffload.engine.catalog.shared import catalog as shared_catalog
+from ecoffload.engine.catalog.shared.format import S_HASH, S_HNEXT, SLOT_WORDS
 
 B = 4096
 
@@ -18,3 +19,13 @@ def open_shared(path, blocks, ready_blocks=None, **layout) -> shared_catalog.Sha
                                             **layout)  # fmt: skip
     finally:
         os.close(fd)
+
+
+def unhash(c: shared_catalog.SharedCatalog, s: int) -> None:
+    """Take slot ``s`` out of its hash chain: its key is no longer found (damage a test
+    makes by hand)."""
+    w, b = c._w, c._sl + s * SLOT_WORDS
+    at = c._bk + (w[b + S_HASH] & c._hmask)
+    while w[at] != s:
+        at = c._sl + w[at] * SLOT_WORDS + S_HNEXT
+    w[at] = w[b + S_HNEXT]

@@ -14,7 +14,7 @@ import os
 import zlib
 
 import pytest
-from catalogs import B, open_shared
+from catalogs import B, open_shared, unhash
 from deadline import in_child
 
 from ecoffload.engine.base.errors import CatalogCorruptError, CatalogError
@@ -188,8 +188,9 @@ CASES = {  # damage, and the operations that must not follow it
 }  # fmt: skip
 
 
-def lru_word(key: str, word: int, value: int):
-    """Damage: slot ``key``'s LRU link ``word`` set to ``value``."""
+def slot_word(key: str, word: int, value: int):
+    """Damage: slot ``key``'s ``word`` (an LRU link, its state, shape, first extent...)
+    set to ``value``."""
     return lambda c: c._w.__setitem__(words(c, key) + word, value)
 
 
@@ -197,9 +198,9 @@ def lru_word(key: str, word: int, value: int):
 # unlinks the tail "z", a lookup relinks the head "abcd", a commit appends after the tail
 for value in (MAX_ITEMS, -2):
     for word, name in ((S_PREV, "prev"), (S_NEXT, "next")):
-        CASES[f"lru-{name}-of-the-tail-at-{value}"] = (lru_word("z", word, value), {
+        CASES[f"lru-{name}-of-the-tail-at-{value}"] = (slot_word("z", word, value), {
             "evict": lambda c: lambda: c.evict("z")})  # fmt: skip
-        CASES[f"lru-{name}-of-the-head-at-{value}"] = (lru_word("abcd", word, value), {
+        CASES[f"lru-{name}-of-the-head-at-{value}"] = (slot_word("abcd", word, value), {
             "lookup": lambda c: fresh(c, lambda: c.lookup("abcd")),
             "evict": lambda c: lambda: c.evict("abcd")})  # fmt: skip
     CASES[f"lru-tail-at-{value}"] = (
@@ -231,7 +232,7 @@ def past_the_table(c, word: int, value: int) -> None:
 # links one past the table, where the word they lead to looks right (a link back to the
 # slot, the tail's empty next): only the bounds test stops them
 CASES["lru-prev-of-the-tail-at-8-linking-back"] = (
-    lambda c: (lru_word("z", S_PREV, MAX_ITEMS)(c), past_the_table(c, S_NEXT, slot(c, "z"))),
+    lambda c: (slot_word("z", S_PREV, MAX_ITEMS)(c), past_the_table(c, S_NEXT, slot(c, "z"))),
     {"evict": lambda c: lambda: c.evict("z")},
 )
 CASES["lru-tail-at-8-with-no-next"] = (
@@ -281,26 +282,17 @@ CASES["foreign-pin-record-next-past-the-records"] = (
 )
 
 
-def off_its_hash_chain(c, key: str) -> None:
-    """Damage: ``key``'s slot taken out of its bucket's chain (its key no longer found)."""
-    w, s = c._w, slot(c, key)
-    at = c._bk + (w[words(c, key) + S_HASH] & c._hmask)
-    while w[at] != s:
-        at = c._sl + w[at] * SLOT_WORDS + S_HNEXT
-    w[at] = w[words(c, key) + S_HNEXT]
-
-
 # an eviction to make room drops its victims by slot: each is unlinked from its chain,
 # and its blocks freed after the one-extent test or the whole chain's
 CASES["hash-chain-missing-a-victim"] = (
-    lambda c: off_its_hash_chain(c, "z"),
+    lambda c: unhash(c, slot(c, "z")),
     {"reserve": lambda c: lambda: c.reserve("new", 12 * B)},
 )
 
 
 def victim_chain_cycle(c) -> None:
     """Damage: "z" off its chain, which now runs round "b" for ever."""
-    off_its_hash_chain(c, "z")
+    unhash(c, slot(c, "z"))
     w = c._w
     w[c._bk + (w[words(c, "z") + S_HASH] & c._hmask)] = slot(c, "b")
     w[words(c, "b") + S_HNEXT] = slot(c, "b")
@@ -312,18 +304,18 @@ CASES["hash-chain-cycle-without-a-victim"] = (
 )
 # words a fresh reader decodes into an entry (a lookup by a process that has not seen it)
 fresh_lookup = {"lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))}
-CASES["shape-of-too-many-dimensions"] = (lru_word("abcd", fmt.S_NDIM, 9), fresh_lookup)
+CASES["shape-of-too-many-dimensions"] = (slot_word("abcd", fmt.S_NDIM, 9), fresh_lookup)
 CASES["extent-count-zero"] = (
     lambda c: c._i.__setitem__(c._ec + c.entry("abcd").extents[0].start, 0),
     fresh_lookup,
 )
-CASES["extent-at-the-watermark"] = (lru_word("abcd", fmt.S_EXT, 16), fresh_lookup)
+CASES["extent-at-the-watermark"] = (slot_word("abcd", fmt.S_EXT, 16), fresh_lookup)
 CASES["hash-chain-slot-in-no-state"] = (
-    lru_word("z", fmt.S_STATE, 9),
+    slot_word("z", fmt.S_STATE, 9),
     {"lookup": lambda c: fresh(c, lambda: c.lookup("z"))},
 )
 CASES["hash-chain-next-at-8"] = (
-    lru_word("z", S_HNEXT, MAX_ITEMS),
+    slot_word("z", S_HNEXT, MAX_ITEMS),
     {"lookup-missing": lambda c: lambda: c.lookup(same_bucket(c, "z"))},
 )
 # the pin free list's head one past the records, and at a record in use (this process's
@@ -344,7 +336,7 @@ CASES["slot-free-list-at-the-slot-count"] = (
 
 def victim_chain_past_the_table(c) -> None:
     """Damage: "z" off its chain, which now starts one past the slot table."""
-    off_its_hash_chain(c, "z")
+    unhash(c, slot(c, "z"))
     c._w[c._bk + (c._w[words(c, "z") + S_HASH] & c._hmask)] = MAX_ITEMS
 
 
@@ -370,7 +362,7 @@ CASES["lru-tail-at-slot-0"] = (  # the head, which has a successor
     {"commit": lambda c: lambda: c.commit("w")},
 )
 CASES["lru-next-of-the-head-at--1"] = (
-    lru_word("abcd", S_NEXT, -1),
+    slot_word("abcd", S_NEXT, -1),
     {"lookup": lambda c: fresh(c, lambda: c.lookup("abcd"))},
 )
 CASES["lru-prev-of-the-head-s-successor-elsewhere"] = (
@@ -380,7 +372,7 @@ CASES["lru-prev-of-the-head-s-successor-elsewhere"] = (
 # an eviction's walk from the head: past the table, and round a pinned slot for ever
 # (12 blocks wanted: the 9 free and the 3 evictable, so the walk goes on past "abcd")
 CASES["lru-next-of-the-head-past-the-table"] = (
-    lru_word("abcd", S_NEXT, MAX_ITEMS),
+    slot_word("abcd", S_NEXT, MAX_ITEMS),
     {"reserve": lambda c: lambda: c.reserve("new", 12 * B)},
 )
 CASES["lru-cycle-at-a-pinned-slot"] = (

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 
 import pytest
-from catalogs import B, open_shared
+from catalogs import B, open_shared, unhash
 
 from ecoffload.engine.catalog.shared import format as f
 from ecoffload.engine.catalog.shared.catalog import SharedCatalog
@@ -82,15 +82,6 @@ def test_the_catalog_of_every_case_is_laid_out_as_described(tmp_path):
     assert (w[f.H_LRU_HEAD], w[f.H_LRU_TAIL], w[f.H_SLOT_FREE], w[f.H_PIN_FREE]) == (0, 5, 4, 2)
     assert [w[pin(c, r) + f.P_COUNT] for r in range(4)] == [2, 1, 0, 0]
     c.close()
-
-
-def unhash(c: SharedCatalog, s: int) -> None:
-    """Take slot ``s`` out of its hash chain: its key is no longer found."""
-    w = c._w
-    at = c._bk + (w[slot(c, s) + f.S_HASH] & c._hmask)
-    while w[at] != s:
-        at = slot(c, w[at]) + f.S_HNEXT
-    w[at] = w[slot(c, s) + f.S_HNEXT]
 
 
 def own(c: SharedCatalog, s: int, start: int) -> None:
