@@ -176,6 +176,8 @@ SHARED_CATALOG_FILES = [
     f"{SHARED_TESTS}/test_shared_catalog_stateful.py",
     # one corrupt word each, in a child with a deadline
     f"{SHARED_TESTS}/test_memory_safety_catalog.py",
+    # a warm start's verification one call at a time: slices, cursor, counts, logs
+    f"{SHARED_TESTS}/test_shared_catalog_verify.py",
     # a warm start's UNVERIFIED items: lookups that check them, stats, drops (issue 31)
     "tests/engine/test_warm_restart.py",
 ]
