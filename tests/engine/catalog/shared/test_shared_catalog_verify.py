@@ -18,10 +18,12 @@ from ecoffload.engine.arena.arena import Arena
 from ecoffload.engine.base.errors import InvalidSizeError
 from ecoffload.engine.base.items import item_crc32
 from ecoffload.engine.catalog.catalog import ItemState
+from ecoffload.engine.catalog.shared import fault_points
 from ecoffload.engine.catalog.shared import verify as verify_module
 from ecoffload.engine.catalog.shared.catalog import SharedCatalog, meta_bytes
 from ecoffload.engine.catalog.shared.format import (
     FAILED,
+    H_DIRTY,
     H_VERIFY_BYTES,
     H_VERIFY_CURSOR,
     H_VERIFY_DROPPED,
@@ -82,15 +84,20 @@ def lines(caplog, level):
 
 def test_begin_verify_marks_every_ready_item_with_a_crc_and_resets_the_counts(arena):
     with SharedCatalog.for_arena(arena) as writer:
-        slots = save(writer, arena, {"a": 5000, "b": 4096, "c": 100})
+        slots = save(writer, arena, {"a": 5000, "b": 4096})
+        writer.reserve("c", 100)
+        writer.commit("c", 0)  # a CRC-32 of 0 is a checksum (this one wrong)
+        slots["c"] = writer.entry("c").slot
         save(writer, arena, {"plain": 3 * BLOCK}, crc=False)
         writer.reserve("writing", 10)  # a reservation: no mark, not counted
         w = writer._w
         w[H_VERIFY_CURSOR], w[H_VERIFY_DROPPED] = 7, 3  # a previous warm start's
         before = time.time_ns()
         with SharedCatalog.for_arena(arena) as catalog:
+            recoveries = catalog.recoveries
             assert catalog.begin_verify() == (3, 5000 + 4096 + 100, 1)
             assert header(catalog) == (3, 9196, 3, 9196, 0)
+            assert w[H_DIRTY] == 0  # its rebuild and marks finished
             assert w[H_VERIFY_CURSOR] == 0
             assert before <= w[H_VERIFY_T0] <= time.time_ns()
             assert [mark(catalog, slots[k]) for k in "abc"] == [UNVERIFIED] * 3
@@ -100,7 +107,9 @@ def test_begin_verify_marks_every_ready_item_with_a_crc_and_resets_the_counts(ar
             assert v == Verification(3, 9196, 3, 9196, 0, w[H_VERIFY_T0])
             assert v.fraction == 0.0
             catalog.check()
+            assert catalog.recoveries == recoveries + 1  # its own rebuild, no other
             writer.abort("writing")
+            assert catalog.verify_step() == (3, 0) and catalog.state("c") is None
 
 
 def test_the_fraction_is_of_the_marked_bytes_and_stays_between_0_and_1():
@@ -122,6 +131,7 @@ def test_verify_step_checks_slices_from_the_cursor_and_settles_each_item_once(ar
         change(writer, arena, "d")
         writer.pin("d")  # pinned by a live process: FAILED, never dropped while pinned
     with SharedCatalog.for_arena(arena) as catalog:
+        t0 = time.monotonic()
         catalog.begin_verify()
         w = catalog._w
         # 5000 bytes fall short of 5001: the slice is "a" and "b" (changed: dropped)
@@ -148,8 +158,10 @@ def test_verify_step_checks_slices_from_the_cursor_and_settles_each_item_once(ar
         ]
         (done,) = lines(caplog, logging.INFO)
         path = re.escape(catalog.path)
-        assert re.fullmatch(rf"catalog {path}: every item verified, \d+\.\d{{3}} s after the "
-                            r"warm start; 1 dropped", done), done  # fmt: skip
+        m = re.fullmatch(rf"catalog {path}: every item verified, (\d+\.\d{{3}}) s after the "
+                         r"warm start; 1 dropped", done)  # fmt: skip
+        assert m and 0 <= float(m.group(1)) <= time.monotonic() - t0 + 0.001, done
+        assert catalog.stats().evictions == 0  # a changed item is dropped, not evicted
         assert catalog.verify_step() == (0, 0)  # nothing left: no lock taken, nothing logged
         assert len([r for r in caplog.records if r.name == LOGGER]) == 3
         assert catalog.lookup("a").checksum is not None and catalog.lookup("e") is not None
@@ -309,4 +321,27 @@ def test_a_result_is_never_applied_to_a_later_reservation_of_the_slot(arena):
         assert catalog.verify_now(old) == 0
         assert catalog.state("b") is ItemState.UNVERIFIED and header(catalog)[2:] == (1, 100, 0)
         assert catalog.verify_step() == (1, 0) and catalog.lookup("b") is not None
+        catalog.check()
+
+
+def test_a_verifier_that_fails_after_taking_its_slice_leaves_it_to_the_next(arena, monkeypatch):
+    with SharedCatalog.for_arena(arena) as writer:
+        save(writer, arena, {"a": 100, "b": 100})
+    with SharedCatalog.for_arena(arena) as catalog:
+        catalog.begin_verify()
+        points = []
+
+        def fail(point):
+            points.append(point)
+            if point == "verify:taken":
+                raise RuntimeError("the verifier died")
+
+        monkeypatch.setattr(fault_points, "hook", fail)
+        with pytest.raises(RuntimeError, match="the verifier died"):
+            catalog.verify_step(100)
+        assert points == ["verify:taken"]  # after the slice was taken, before any check
+        assert catalog._w[H_VERIFY_CURSOR] == 1 and catalog.verification().items_left == 2
+        monkeypatch.setattr(fault_points, "hook", None)
+        assert catalog.verify_step() == (1, 1)  # "b", from the cursor
+        assert catalog.verify_step() == (1, 0)  # "a": the cursor started over
         catalog.check()
