@@ -498,6 +498,33 @@ def test_every_holder_s_death_is_counted_and_logged_by_the_locker_that_meets_it(
     c.close()
 
 
+@pytest.mark.parametrize("op", ["pin", "unpin"])
+def test_a_c_pin_or_unpin_that_meets_a_dead_holder_hands_the_lock_to_the_python_way(
+    tmp_path, monkeypatch, caplog, op
+):
+    """The C pin and unpin of a seen READY item meet a holder's death as the C hit does:
+    the mutex, marked consistent, goes to the Python way, which counts it and pins."""
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")
+    caplog.set_level("WARNING", logger=LOG)
+    path = tmp_path / "c"
+    c = _setup(path)  # "a" and "b" READY and seen by c; "b" pinned
+    assert c._fast is not None, "the C fast paths are not built"
+    if op == "unpin":
+        c.pin("a")
+    kill_while_holding(path, "holding")
+    if op == "pin":  # the dead child's pin of "a" stays until a reap (no update pending)
+        assert c.pin("a").pins == 2
+    else:
+        c.unpin("a")
+    assert c.lock_deaths == 1
+    assert warnings_of(caplog) == [taken_over(path, False)]
+    assert c.entry("a").pins == (2 if op == "pin" else 1)
+    assert c.reap() == 2  # the child's reservation "w" and its pin of "a"
+    c.unpin_many(["b"] if op == "unpin" else ["a", "b"])
+    c.check()
+    c.close()
+
+
 class Interrupt(Exception):
     """What a signal handler or a log handler raises in the middle of taking the lock."""
 

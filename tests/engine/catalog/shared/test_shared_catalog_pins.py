@@ -17,9 +17,17 @@ import signal
 
 import pytest
 from catalogs import B, open_shared
-from test_shared_catalog import reopen
+from deadline import in_child
+from test_shared_catalog import reopen, two_ready_items_and_a_counting_reader
 
-from ecoffload.engine.base.errors import CatalogCapacityError, ItemStateError, UnknownItemError
+from ecoffload.engine.base.errors import (
+    CatalogCapacityError,
+    CatalogCorruptError,
+    ItemStateError,
+    UnknownItemError,
+)
+from ecoffload.engine.catalog.shared import native as shared_catalog_native
+from ecoffload.engine.catalog.shared.format import P_NEXT
 
 
 @contextlib.contextmanager
@@ -277,4 +285,86 @@ def test_unpin_many_of_an_item_not_pinned_here_is_refused_whatever_lies_before_t
             call("a")
     assert c.lookup("a").pins == 0
     c.check()
+    c.close()
+
+
+def test_a_seen_ready_item_is_pinned_and_unpinned_by_the_c_path(tmp_path, monkeypatch):
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "1")
+    c = open_shared(tmp_path / "c", 8)
+    fast = c._fast
+    assert fast is not None, "the C fast paths are not built"
+    ready(c, "a", "b")
+    assert c.lookup("b") is not None  # seen READY
+    before = (fast.pins, fast.unpins, fast.slow)
+    assert [c.pin("b").pins for _ in range(2)] == [1, 2]
+    c.unpin("b")
+    c.unpin("b")
+    assert (fast.pins, fast.unpins, fast.slow) == (before[0] + 2, before[1] + 2, before[2])
+    assert c.entry("b").pins == 0
+    c.check()
+    c.close()
+
+
+def test_the_python_way_pins_and_unpins_a_seen_ready_item_without_asking_the_table(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(shared_catalog_native.ENV_VAR, "0")  # the Python way's own shortcut
+    c, other, finds = two_ready_items_and_a_counting_reader(tmp_path / "c", monkeypatch)
+    assert other._fast is None
+    assert other.lookup("b") is not None and finds == [b"b"]  # seen READY, in slot 1
+    assert [other.pin("b").pins for _ in range(2)] == [1, 2]
+    other.unpin("b")
+    assert finds == [b"b"]  # neither asked the table again
+    assert other.entry("b").pins == 1
+    other.unpin("b")
+    c.evict("b")
+    ready(c, "b")  # slot 1 again, another reservation: the kept entry is refused
+    assert other.pin("b").pins == 1 and finds == [b"b", b"b"]
+    other.unpin("b")
+    assert finds == [b"b", b"b"]  # seen READY again by that pin
+    other.check()
+    other.close()
+    c.close()
+
+
+@pytest.mark.parametrize(
+    ("damage", "reaches", "hops"),
+    [("none", -1, 1), ("a second record", -1, 2), ("past the records", 4, 1), ("a cycle", 0, 4)],
+)
+def test_unlinking_a_record_off_a_list_it_is_not_on_is_refused_after_a_bounded_walk(
+    tmp_path, damage, reaches, hops
+):
+    """``_unlink_pin``'s own walk (its callers find the record by a walk first): a record
+    not on the slot's list, whatever the list's words, is refused, never searched for
+    past the records or round a cycle."""
+    c = open_shared(tmp_path / "c", 8, max_pins=4)
+    ready(c, "a", "b", "x")
+    for key in ("a", "b", "x"):  # records 0, 1, 2 (the free list in ascending order)
+        c.pin(key)
+    w, ra = c._w, c._pn  # record 0: "a"'s only one
+    if damage == "a second record":
+        w[ra + P_NEXT] = 2  # "x"'s record follows "a"'s, then the list ends
+    elif damage == "past the records":
+        w[ra + P_NEXT] = 4
+    elif damage == "a cycle":
+        w[ra + P_NEXT] = 0
+
+    def unlink():
+        c._enter()
+        try:
+            c._unlink_pin(0, 1)  # "b"'s record, from "a"'s list
+        except CatalogCorruptError as e:
+            c._exit(True)
+            return str(e)
+        c._exit()
+        return "unlinked"
+
+    said = in_child(unlink, 10, here_under_mutation=True)
+    assert said == (
+        f"catalog {c.path}: slot 0's pin list reaches record {reaches} after {hops} records "
+        "(records: 4) (a stray write, or a writer's bug); it was rebuilt from its slot "
+        "table: retry the operation"
+    )
+    c.check()  # rebuilt (in the file the child shares): every pin kept
+    assert [c.entry(k).pins for k in ("a", "b", "x")] == [1, 1, 1]
     c.close()
