@@ -22,7 +22,7 @@ import json
 import os
 import tempfile
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -135,7 +135,7 @@ class SchedulerSteps:
         self.sched = ECConnectorFactory.create_connector(self.config, ECConnectorRole.SCHEDULER)
         # The report type of the connector's own package (another checkout's, for "before").
         self._worker_meta = importlib.import_module(f"{connector_module}.metadata")
-        self.catalog = self.sched.side.catalog
+        self.catalog = cast(Any, self.sched).side.catalog  # ours: the scheduler side's
         self.items, self.rows = items, rows
         from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -251,7 +251,8 @@ class WorkerSteps:
         from vllm.v1.core.sched.output import SchedulerOutput
         from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin
 
-        self.s, self._pickle, self._state = scheduler, pickle, ec_transfer_state
+        self.s, self._pickle = scheduler, pickle
+        self._state: Any = ec_transfer_state  # a module whose global this sets
         self._output_of = SchedulerOutput.make_empty
         self._runner = ECConnectorModelRunnerMixin
         self.worker = ECConnectorFactory.create_connector(scheduler.config,

@@ -37,11 +37,15 @@ def fill_arena(host: torch.Tensor, seed: int) -> None:
 def serve(directory: str, name: str, block_bytes: int, num_blocks: int, seed: int) -> None:
     arena = Arena.create(name, block_bytes=block_bytes, num_blocks=num_blocks,
                          directory=directory, processes=1, register_cuda="never")  # fmt: skip
+    host = arena.host
+    assert host is not None, "Arena.create maps the arena's bytes"
     if seed >= 0:  # else leave the zeros (benchmarks and kill tests need no contents)
-        fill_arena(arena.host, seed)
+        fill_arena(host, seed)
     peer = ArenaPeer(arena, f"producer-{os.getpid()}", host="127.0.0.1",
                      export_bytes=arena.nbytes, register_arena=False)  # fmt: skip
-    slot = peer.window.put(arena.host.numpy(), [(0, num_blocks)], block_bytes, arena.nbytes)
+    window = peer.window
+    assert window is not None, "an ArenaPeer with export_bytes has an export window"
+    slot = window.put(host.numpy(), [(0, num_blocks)], block_bytes, arena.nbytes)
     assert slot == [(0, num_blocks)], slot  # an empty window: the one slot is all of it
     print("META " + base64.b64encode(peer.metadata()).decode(), flush=True)
     while True:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ..connector import cpu_build
 from .tiny_vlm import NUM_IMAGE_TOKENS, build_tiny_paligemma
@@ -89,7 +89,7 @@ def connector_counts(worker: Any) -> dict[str, int]:
     """collective_rpc target: the worker-side connector's counters."""
     from vllm.distributed.ec_transfer import get_ec_transfer, has_ec_transfer
 
-    return get_ec_transfer().side.stats() if has_ec_transfer() else {}
+    return cast(Any, get_ec_transfer()).side.stats() if has_ec_transfer() else {}
 
 
 def ec_transfer_config(
@@ -192,7 +192,7 @@ def run_here(
             params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                                     extra_args=extra)  # fmt: skip
         t0 = time.perf_counter()
-        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        (out,) = llm.generate(cast(Any, [prompt]), params, use_tqdm=False)
         result.ec_transfer_params.append(out.ec_transfer_params)
         result.seconds.append(time.perf_counter() - t0)
         runs = llm.collective_rpc(count_encoder_runs)[0]
@@ -285,18 +285,20 @@ class Running:
     it keeps serving (its arena held) until :meth:`stop`."""
 
     def __init__(self, proc: subprocess.Popen, release: str) -> None:
+        assert proc.stdout is not None and proc.stderr is not None, "started with pipes"
         self.proc, self._release = proc, release
+        self.stdout, self.stderr = proc.stdout, proc.stderr
 
     def result(self, timeout_s: float = 600) -> ScenarioResult:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
+            line = self.stdout.readline()
             if line.startswith("{"):
                 return ScenarioResult(**json.loads(line))
             if not line and self.proc.poll() is not None:
                 break
         self.stop()
-        raise RuntimeError(f"instance ended without a result:\n{self.proc.stderr.read()[-4000:]}")
+        raise RuntimeError(f"instance ended without a result:\n{self.stderr.read()[-4000:]}")
 
     def stop(self, timeout_s: float = 120) -> int:
         """Let it exit (it checks every 0.1 s); killed if it does not within the bound."""
@@ -307,8 +309,8 @@ class Running:
             self.proc.kill()
             return self.proc.wait()
         finally:
-            self.proc.stdout.close()
-            self.proc.stderr.close()
+            self.stdout.close()
+            self.stderr.close()
 
 
 def start(*, model_dir: str, arena_dir: str, release_dir: str, **options: Any) -> Running:
@@ -322,7 +324,7 @@ def start(*, model_dir: str, arena_dir: str, release_dir: str, **options: Any) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--connector", action="store_true")
     parser.add_argument("--multiprocess", action="store_true")
     parser.add_argument("--model-dir", default=None)

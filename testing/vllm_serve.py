@@ -36,7 +36,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +81,7 @@ def server_command(
     port: int,
     *,
     transfer: dict[str, Any] | None,
-    extra: list[str] = (),
+    extra: Sequence[str] = (),
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
     host: str = "127.0.0.1",
 ) -> list[str]:
@@ -137,6 +137,7 @@ class Server:
         # MiB each, as its processes held them once ready: vLLM unlinks them when it exits,
         # a killed server cannot, so close() removes the ones nobody holds any more.
         self.vllm_segments: set[str] = set()
+        self.arena_path: str | None = None  # the connector's arena file (None: no connector)
 
     @classmethod
     def start(
@@ -147,7 +148,7 @@ class Server:
         arena_dir: str | None = None,
         arena_name: str | None = None,
         log_path: str | None = None,
-        extra_args: list[str] = (),
+        extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         timeout_s: float = START_TIMEOUT_S,
         role: str = "ec_both",
@@ -155,7 +156,7 @@ class Server:
         max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
         cluster: dict[str, Any] | None = None,
         host: str = "127.0.0.1",
-        prefix: list[str] = (),
+        prefix: Sequence[str] = (),
     ) -> Server:
         """Start the server and wait until ``/health`` answers (kills it on failure);
         ``role``, ``nixl`` and ``cluster`` go into the connector's config. It listens
@@ -188,7 +189,8 @@ class Server:
                 start_new_session=True,  # its own process group: Ctrl-C and kill reach all
             )
         server = cls(proc, port, log_path, host)
-        server.arena_path = os.path.join(arena_dir, arena_name) if connector else None
+        if connector and arena_dir is not None and arena_name is not None:  # (set above)
+            server.arena_path = os.path.join(arena_dir, arena_name)
         try:
             server.wait_ready(timeout_s)
         except BaseException:
@@ -573,7 +575,7 @@ def sigint_check(model_dir: str, tries: int, *, timeout_s: float = 10.0) -> bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--connector", action="store_true")
     parser.add_argument("--images", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
