@@ -41,7 +41,7 @@ class BatchedCopy:
 
     def __init__(self, device: torch.device, driver: Any = None) -> None:
         if driver is None:
-            from cuda.bindings import driver  # optional: only the benchmark uses it
+            from cuda.bindings import driver  # pyright: ignore[reportMissingImports]  (optional: only the benchmark uses it)
         self._driver = driver
         self.device = device
 

@@ -623,7 +623,7 @@ def environment(device: torch.device) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
         try:
-            import cupy
+            import cupy  # pyright: ignore[reportMissingImports]  (extras cuda12 / cuda13)
 
             env["cupy"] = cupy.__version__
             env["driver"] = cupy.cuda.runtime.driverGetVersion()
@@ -657,7 +657,7 @@ def plot(rows: list[Row], path: str, cuda: bool) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
         "--out", default="bench-out", help="folder for bench.json / bench.png / bench.md"
     )

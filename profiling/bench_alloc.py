@@ -165,7 +165,7 @@ def shared_vs_local(resident: int, sample: int = 20000) -> list[tuple[str, float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--items", type=int, default=2000)
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=4096)

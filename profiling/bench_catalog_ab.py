@@ -103,7 +103,7 @@ def compare(base_module, resident: int, rounds: int) -> list[tuple[str, float, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("base", help="a folder holding the other checkout as ecoffload/")
     parser.add_argument("--resident", type=int, default=50_000)
     parser.add_argument("--rounds", type=int, default=15)

@@ -90,7 +90,7 @@ def mac_costs(repeat: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--scheduler-steps", type=int, default=400)
     args = ap.parse_args()

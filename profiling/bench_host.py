@@ -96,6 +96,7 @@ def timed_side_by_side(fns: list[Callable[[], object]], repeat: int) -> list[flo
 
 def old_save(sources, tables, arena, block):
     base, offsets, nbytes, span = before._item_layout(list(sources))
+    assert base is not None, "a step has items"
     return before.plan_copy(offsets, nbytes, tables, block_bytes=block,
                             arena_bytes=arena.numel(), items_bytes=span,
                             items_base=base.data_ptr(), arena_base=arena.data_ptr())  # fmt: skip
@@ -130,7 +131,9 @@ def host_rows(repeat: int) -> list[dict]:
             ("save", old_save, new_save, sources),
             ("load", old_load, new_load, specs),
         ):
-            calls = [partial(fn, first, tables, arena, block) for fn in (old, new)]
+            calls: list[Callable[[], object]] = [
+                partial(fn, first, tables, arena, block) for fn in (old, new)
+            ]
             t_old, t_new = timed_side_by_side(calls, n)
             rows.append(dict(step=name, direction=direction, extents=items * extents,
                              before_us=t_old * 1e6, now_us=t_new * 1e6,
@@ -377,7 +380,7 @@ def launch_rows(repeat: int, directory: str, device: str = "cuda") -> list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--json", help="also write the real-path rows to this file")
     parser.add_argument(

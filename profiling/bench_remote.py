@@ -90,6 +90,7 @@ def producer(directory: str, env: dict[str, str]):
          str(BLOCK), str(BLOCKS), str(SEED)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env},
     )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None, "started with pipes"
     try:
         for line in proc.stdout:
             if line.startswith("META "):
@@ -103,8 +104,11 @@ def producer(directory: str, env: dict[str, str]):
         proc.wait(timeout=60)
 
 
-def nixl_rows(label, env, dst, src_ref, reqs, repeat, directory) -> list[dict]:
+def nixl_rows(label, env, dst, src_ref, reqs, repeat, directory) -> tuple[list[dict], float]:
+    """The rows of NIXL reads into ``dst`` and the seconds its connect took."""
     saved = {k: os.environ.get(k) for k in env}
+    host = dst.host
+    assert host is not None, "Arena.create maps the arena's bytes"
     os.environ.update(env)  # UCX reads its configuration when the agent's backend starts
     try:
         with (
@@ -123,9 +127,9 @@ def nixl_rows(label, env, dst, src_ref, reqs, repeat, directory) -> list[dict]:
                         raise RuntimeError(f"{label} {case}: {h.error}")
                     return h
 
-                dst.host.zero_()
+                host.zero_()
                 s = median_s(pull, repeat)
-                ok = torch.equal(dst.host, expected(src_ref, dst.nbytes, pulls))
+                ok = torch.equal(host, expected(src_ref, dst.nbytes, pulls))
                 rows.append(row(case, f"NIXL READ, {label}", pull().descriptors, pulls, s, ok))
             return rows, connect_s
     finally:
@@ -145,20 +149,22 @@ def row(case, path, descriptors, pulls, s, ok) -> dict:
 
 
 def anchor_rows(src: torch.Tensor, dst: Arena, reqs, repeat) -> list[dict]:
+    host = dst.host
+    assert host is not None, "Arena.create maps the arena's bytes"
     rows = []
     for case, pulls in reqs.items():
         pieces = [pc for p in pulls for pc in _pieces(p.remote, BLOCK, p.local, BLOCK, p.nbytes)]
 
         def arena_copy(pieces=pieces):
             for ro, lo, n in pieces:
-                dst.host[lo : lo + n].copy_(src[ro : ro + n])
+                host[lo : lo + n].copy_(src[ro : ro + n])
 
-        dst.host.zero_()
+        host.zero_()
         s = median_s(arena_copy, repeat)
-        ok = torch.equal(dst.host, expected(src, dst.nbytes, pulls))
+        ok = torch.equal(host, expected(src, dst.nbytes, pulls))
         rows.append(row(case, "torch copy, arena to arena", len(pieces), pulls, s, ok))
         total = sum(p.nbytes for p in pulls)
-        s = median_s(lambda n=total: ctypes.memmove(dst.host.data_ptr(), src.data_ptr(), n),
+        s = median_s(lambda n=total: ctypes.memmove(host.data_ptr(), src.data_ptr(), n),
                      repeat)  # fmt: skip
         rows.append(row(case, "memcpy of the same bytes", 1, pulls, s, True))
     return rows
@@ -172,13 +178,18 @@ def window_rows(src: torch.Tensor, reqs, repeat) -> list[dict]:
     try:
         for case, pulls in reqs.items():
 
+            def put(p):
+                slot = window.put(arena, p.remote, BLOCK, p.nbytes)
+                assert slot is not None, "the window holds one step's items"
+                return slot
+
             def announce_and_end(pulls=pulls):
-                slots = [window.put(arena, p.remote, BLOCK, p.nbytes) for p in pulls]
+                slots = [put(p) for p in pulls]
                 for slot in slots:
                     window.release(slot)
 
             s = median_s(announce_and_end, repeat)
-            slots = [window.put(arena, p.remote, BLOCK, p.nbytes) for p in pulls]
+            slots = [put(p) for p in pulls]
             ok = all(
                 torch.equal(torch.from_numpy(window.data[sl[0][0] * BLOCK :][: p.nbytes]),
                             src[p.remote[0][0] * BLOCK :][: p.nbytes])
@@ -194,7 +205,7 @@ def window_rows(src: torch.Tensor, reqs, repeat) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--repeat", type=int, default=10)
     args = ap.parse_args(argv)
     nixl = load_nixl()
@@ -205,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                            register_cuda="never")  # fmt: skip
         dst = Arena.create("bench-dst", block_bytes=BLOCK, num_blocks=BLOCKS, directory=d,
                            register_cuda="never")  # fmt: skip
+        assert src.host is not None, "Arena.create maps the arena's bytes"
         with src, dst:
             fill_arena(src.host, SEED)  # the producer's bytes, for the anchors and the checks
             rows, connects = [], {}

@@ -30,12 +30,16 @@ import argparse
 import os
 import platform
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..engine.base.items import item_crc32
 from ..engine.base.sizes import format_bytes, parse_bytes
 from ..engine.cache import OffloadCache
+
+if TYPE_CHECKING:
+    from ..engine.arena.arena import PopulateMode
 
 _SPARE = 1 << 30
 
@@ -53,7 +57,9 @@ def available_bytes(directory: str) -> int:
     return free - _SPARE
 
 
-def run_once(size: int, mode: str, directory: str, item: torch.Tensor) -> tuple[float, ...]:
+def run_once(
+    size: int, mode: PopulateMode, directory: str, item: torch.Tensor
+) -> tuple[float, ...]:
     """(create returned, first save done, fully ready), seconds after the call, one arena."""
     name = f"ecoffload-bench-startup-{os.getpid()}"
     t0 = time.perf_counter()
@@ -85,12 +91,14 @@ def fill_persistent(
                               register_cuda="never", populate="eager", persistent=True,
                               max_items=size // item_bytes)  # fmt: skip
     with arena, open_catalog(arena, max_items=size // item_bytes) as catalog:
+        assert arena.host is not None, "a shared arena maps its bytes"
         host = arena.host.numpy()
         tile = np.random.default_rng(0).integers(0, 256, item_bytes, dtype=np.uint8)
         n, offsets, data_at = 0, [], arena.meta_offset + arena.meta_bytes
         need = -(-item_bytes // block_bytes)
         while n < size // item_bytes and catalog.stats().free_blocks >= need:  # no eviction
             entry = catalog.reserve(f"item-{n}", item_bytes)
+            assert entry is not None, "free blocks were counted above"
             tile[:8] = np.frombuffer(n.to_bytes(8, "little"), dtype=np.uint8)
             left = item_bytes
             for start, count in entry.extents:
@@ -209,7 +217,7 @@ def populate_threads(size: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sizes", default="1GiB,4GiB,16GiB", help="comma-separated arena sizes")
     parser.add_argument("--dir", default="/dev/shm", help="arena directory")
     parser.add_argument("--rows", type=int, default=1024)

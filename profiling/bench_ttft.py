@@ -559,7 +559,7 @@ def cluster_measured(result: TtftResult) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--vision", choices=sorted(PRESETS), default="siglip-base")
     parser.add_argument(
         "--images",

@@ -28,6 +28,7 @@ import importlib.util
 import os
 import statistics
 import tempfile
+from typing import Any
 
 from ..engine.base.sizes import format_bytes
 from ..testing import vllm_scenario
@@ -43,7 +44,7 @@ def measure(
     on one model built once."""
     with tempfile.TemporaryDirectory(prefix="ecoffload-demo-") as tmp:
         model_dir = build_tiny_paligemma(os.path.join(tmp, "model"))
-        kw = dict(multiprocess=multiprocess, model_dir=model_dir)
+        kw: dict[str, Any] = {"multiprocess": multiprocess, "model_dir": model_dir}
         cold = vllm_scenario.run(connector=False, order=[0], **kw)
         plain = vllm_scenario.run(connector=False, **kw)
         offload = vllm_scenario.run(connector=True, **kw)
@@ -51,7 +52,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--multiprocess", action="store_true",
                         help="vLLM's default multi-process mode (slower start-up)")  # fmt: skip
     parser.add_argument("--ttft", action="store_true",

@@ -27,7 +27,7 @@ from ..engine.cache import OffloadCache
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--items", type=int, default=96, help="distinct images")
     parser.add_argument("--rows", type=int, default=256, help="encoder rows per image")
     parser.add_argument("--hidden", type=int, default=1024)

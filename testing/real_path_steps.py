@@ -22,7 +22,7 @@ import json
 import os
 import tempfile
 from collections import Counter
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -132,10 +132,13 @@ class SchedulerSteps:
                                        **(extra or {})},
         )  # fmt: skip
         self.config = VllmConfig(model_config=model, ec_transfer_config=transfer)
-        self.sched = ECConnectorFactory.create_connector(self.config, ECConnectorRole.SCHEDULER)
+        # this checkout's connector or another's (the "before" side): reached untyped
+        self.sched: Any = ECConnectorFactory.create_connector(
+            self.config, ECConnectorRole.SCHEDULER
+        )
         # The report type of the connector's own package (another checkout's, for "before").
         self._worker_meta = importlib.import_module(f"{connector_module}.metadata")
-        self.catalog = cast(Any, self.sched).side.catalog  # ours: the scheduler side's
+        self.catalog = self.sched.side.catalog
         self.items, self.rows = items, rows
         from vllm.v1.core.sched.output import SchedulerOutput
 
