@@ -100,6 +100,8 @@ class Bench:
         self.unit = 8192
         self.arena = _make_arena(arena_bytes // self.unit, self.unit, arena_dir)
         self.mover = BlockMover(self.arena, device)
+        assert self.arena.host is not None, "Arena.create maps the arena's bytes"
+        self.host = self.arena.host
         gen = torch.Generator().manual_seed(0)
         self.items = [
             torch.randn(r, self.hidden, generator=gen).to(DTYPE).to(device) for r in self.step_rows
@@ -112,7 +114,7 @@ class Bench:
 
     def close(self) -> None:
         self.items = []
-        self.mover = None
+        del self.mover, self.host  # no view of the arena outlives it
         self.arena.close()
 
     def sync(self) -> None:
@@ -140,6 +142,7 @@ class Bench:
         try:
             if make is not None:
                 fn = make()
+            assert fn is not None, "add() times fn, or what make() builds"
             row.ms = self.timed(fn, reps)
             row.gbps = nbytes / row.ms / 1e6
             if check is not None:
@@ -180,7 +183,7 @@ class Bench:
         return tables
 
     def host_rows(self, block: int) -> torch.Tensor:
-        return self.arena.host[: (self.arena.nbytes // block) * block].view(-1, block)
+        return self.host[: (self.arena.nbytes // block) * block].view(-1, block)
 
     # the suites -----------------------------------------------------------------
 
@@ -215,7 +218,7 @@ class Bench:
 
     def limits(self) -> None:
         n = self.limit_bytes
-        host = self.arena.host[:n]
+        host = self.host[:n]
         if self.cuda:
             gpu = torch.empty(n, dtype=torch.uint8, device=self.device)
             self.add("limit", "pinned, one 512 MB copy", "save", n,
@@ -267,7 +270,7 @@ class Bench:
                                          error=f"unavailable: {exc}"))  # fmt: skip
             print(f"  batched copy engine unavailable: {exc}")
             return
-        base = self.arena.host.data_ptr()
+        base = self.host.data_ptr()
         for label, block in (("token-row blocks", self.row_bytes), ("64 KiB blocks", BIG_BLOCK)):
             if block < self.unit:
                 continue
@@ -297,7 +300,7 @@ class Bench:
         for n in self.item_bytes[:-1]:
             offsets.append(offsets[-1] + -(-n // self.unit) * self.unit)
         flat = [t.view(-1).view(torch.uint8) for t in self.items]
-        host = self.arena.host
+        host = self.host
 
         def save():
             with torch.cuda.stream(self.side) if self.cuda else _null():
@@ -383,7 +386,7 @@ class Bench:
                  lambda: self.mover.save([item], table).wait(), reps=30, path=path)  # fmt: skip
         self.add("one item", f"{rows} rows, ecoffload load ({path} path)", "load", n,
                  lambda: self.mover.load(table, spec)[1].wait(), reps=30, path=path)  # fmt: skip
-        host = self.arena.host[:n]
+        host = self.host[:n]
         self.add("one item", f"{rows} rows, one copy_ (DMA)", "save", n,
                  lambda: host.copy_(item.view(-1).view(torch.uint8), non_blocking=True),
                  reps=30)  # fmt: skip
@@ -452,7 +455,7 @@ class Bench:
         order = list(range(nblocks))
         random.Random(5).shuffle(order)
         table = [[(b, 1) for b in order]]
-        host = self.arena.host[: src.numel() * 2]
+        host = self.host[: src.numel() * 2]
         matmul_ms = self.timed(matmuls)
         kernel = self.kernel_only
         variants = [
@@ -580,7 +583,8 @@ def _make_arena(num_blocks: int, block: int, arena_dir: str | None) -> Arena:
 def summarize(rows: list[Row], cuda: bool) -> str:
     """The results table with ratios to the limit and to the seed-style path."""
     limit = {r.direction: r.gbps for r in rows if r.group == "limit" and r.gbps}
-    limit.setdefault("load", limit.get("save"))
+    if "save" in limit:
+        limit.setdefault("load", limit["save"])
     seed = {r.direction: r.gbps for r in rows if r.group == "seed-style" and r.gbps}
     head = "CUDA" if cuda else "CPU figures (small sizes; not PCIe)"
     lines = [f"## {head}", "",
@@ -600,7 +604,7 @@ def summarize(rows: list[Row], cuda: bool) -> str:
         lines.append(
             f"| {r.group} | {r.name} | {r.direction} | {r.nbytes / 1e6:.1f} | {r.ms:.3f} | "
             f"{r.gbps:.2f} | {r.gbps / lim:.2f} | {r.gbps / sd:.1f} | {notes} |"
-            if lim and sd
+            if lim and sd and r.gbps is not None  # (a row without an error has its figures)
             else f"| {r.group} | {r.name} | {r.direction} | {r.nbytes / 1e6:.1f} | {r.ms:.3f} | "
             f"{r.gbps:.2f} | | | {notes} |"
         )
@@ -641,10 +645,11 @@ def plot(rows: list[Row], path: str, cuda: bool) -> bool:
     except ImportError:
         return False
     shown = [r for r in rows if r.gbps and r.group not in ("launch", "sweep")]
+    widths = [r.gbps or 0.0 for r in shown]
     fig, ax = plt.subplots(figsize=(10, 0.32 * len(shown) + 1.5))
     labels = [f"{r.group}: {r.name} [{r.direction}]" for r in shown]
     colors = ["tab:green" if r.group == "ecoffload" else "tab:gray" for r in shown]
-    ax.barh(range(len(shown)), [r.gbps for r in shown], color=colors)
+    ax.barh(range(len(shown)), widths, color=colors)
     ax.set_yticks(range(len(shown)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("GB/s")

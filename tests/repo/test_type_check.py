@@ -1,5 +1,5 @@
-"""The type check (``make test`` runs pyright over kernels/, engine/, connector/, tools/,
-testing/ with the settings in pyproject.toml) catches a type error, resolves ``ecoffload.*`` the
+"""The type check (``make test`` runs pyright over every package, kernels/ to profiling/,
+with the settings in pyproject.toml) catches a type error, resolves ``ecoffload.*`` the
 way an editor does from a fresh clone, and the C extensions' stubs say what the built
 modules are.
 
