@@ -162,6 +162,20 @@ CASES = {
     "pin-on-a-free-slot": (word(lambda c: pin(c, 0) + f.P_SLOT, 7), without(b=(READY, 0))),
     "pin-on-slot-minus-1": (word(lambda c: pin(c, 0) + f.P_SLOT, -1), without(b=(READY, 0))),
     "pin-past-the-slots": (word(lambda c: pin(c, 0) + f.P_SLOT, 8), without(b=(READY, 0))),
+    # a warm start's verification marks: a READY item's only (check() refuses any other)
+    "an-unverified-item-kept": (
+        word(lambda c: slot(c, 3) + f.S_VERIFY, f.UNVERIFIED),
+        without(z=(ItemState.UNVERIFIED, 0)),
+    ),
+    "an-unverified-item-that-does-not-parse": (  # freed, its mark with it
+        steps(
+            word(lambda c: slot(c, 3) + f.S_VERIFY, f.UNVERIFIED),
+            word(lambda c: slot(c, 3) + f.S_HASH, lambda h: h ^ 1),
+        ),
+        without("z"),
+    ),
+    "a-failed-mark-on-a-writing-item": (word(lambda c: slot(c, 2) + f.S_VERIFY, f.FAILED), HEALTHY),
+    "a-mark-that-is-no-mark": (word(lambda c: slot(c, 3) + f.S_VERIFY, 7), without("z")),
     # a free record made another live process's pin of b, 3 times: both kept, summed
     "pin-of-another-live-process": (
         steps(
