@@ -16,6 +16,7 @@ import zlib
 import pytest
 from catalogs import B
 
+from ecoffload.engine.arena import populate as populate_mod
 from ecoffload.engine.arena.arena import Arena
 from ecoffload.engine.arena.janitor import ofd_lock
 from ecoffload.engine.base.errors import ArenaLayoutMismatch, CatalogLockError, InvalidSizeError
@@ -248,6 +249,43 @@ def test_for_arena_needs_a_metadata_region_and_follows_the_arena_weakly(tmp_path
     assert ref() is None  # the catalog kept no reference to it
     assert c._ready_of() == 0
     c.close()
+
+
+def test_for_arena_formats_with_the_arena_s_ready_watermark_and_close_unmaps_its_data(
+    tmp_path, monkeypatch
+):
+    """An arena still populating: its catalog starts with the blocks ready so far (a
+    reservation gets no unpopulated block), follows the populate, and its mapping of
+    the data area (a warm start's verification) goes with it at close."""
+    monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", B)  # chunk i = block i
+    real, release, calls = populate_mod.prefault, threading.Event(), []
+
+    def fault(*args):
+        calls.append(args)
+        if len(calls) == 2:  # chunk 1 (chunk 0 ran in create): held
+            assert release.wait(30), "the test never released chunk 1"
+        real(*args)
+
+    monkeypatch.setattr(populate_mod, "prefault", fault)
+    arena = Arena.create("cat", block_bytes=B, num_blocks=6, directory=str(tmp_path),
+                         meta_bytes=meta_bytes(6, B, 4), register_cuda="never",
+                         populate="background", populate_threads=1)  # fmt: skip
+    try:
+        assert arena.ready_blocks == 1
+        c = SharedCatalog.for_arena(arena, max_items=4)
+        assert c.stats().ready_blocks == 1  # formatted with the arena's watermark
+        assert c.reserve("one", B) is not None and c.reserve("two", B) is None  # no room yet
+        release.set()
+        assert arena.wait_ready(30)
+        assert c.reserve("two", B) is not None  # the watermark followed the populate
+        c.abort("one")
+        c.abort("two")
+        view = c._data_view()
+        c.close()
+        assert view.closed  # unmapped with the catalog, not when collected
+    finally:
+        release.set()
+        arena.close()
 
 
 def test_a_catalog_opened_without_a_path_is_named_by_its_descriptor(tmp_path):
