@@ -310,6 +310,20 @@ CASES["extent-count-zero"] = (
     fresh_lookup,
 )
 CASES["extent-at-the-watermark"] = (slot_word("abcd", fmt.S_EXT, 16), fresh_lookup)
+
+
+def one_extent_past_the_blocks(c) -> None:
+    """Damage: "z"'s one extent (block 6) made 12 blocks long, its block and byte words
+    to match: the chain looks whole, but runs 2 blocks past the 16 the table has."""
+    w, b = c._w, words(c, "z")
+    c._i[c._ec + c.entry("z").extents[0].start] = 12
+    w[b + fmt.S_BLOCKS], w[b + fmt.S_NBYTES] = 12, 12 * B
+
+
+CASES["one-extent-past-the-blocks"] = (
+    one_extent_past_the_blocks,
+    {"evict": lambda c: lambda: c.evict("z")},
+)
 CASES["hash-chain-slot-in-no-state"] = (
     slot_word("z", fmt.S_STATE, 9),
     {"lookup": lambda c: fresh(c, lambda: c.lookup("z"))},
@@ -327,6 +341,10 @@ CASES["pin-free-list-at-the-record-count"] = (
 CASES["pin-free-list-at-a-record-in-use"] = (
     lambda c: c._w.__setitem__(H_PIN_FREE, c._w[words(c, "b") + S_PIN_HEAD]),
     {"pin": lambda c: fresh(c, lambda: c.pin("z"))},
+)
+CASES["slot-free-list-at-a-slot-in-use"] = (  # "z", READY
+    lambda c: c._w.__setitem__(H_SLOT_FREE, slot(c, "z")),
+    {"reserve": lambda c: lambda: c.reserve("new", B)},
 )
 CASES["slot-free-list-at-the-slot-count"] = (
     lambda c: c._w.__setitem__(H_SLOT_FREE, MAX_ITEMS),  # one past: the first key's bytes
@@ -427,6 +445,8 @@ SAYS = {
     ("dead-pin-record-next-past-the-records", "reserve-13"):
         "slot 1's pin list reaches record 4 after 1 records (records: 4)",
     ("slot-free-list-at-the-slot-count", "reserve"): "the slot free list's head is slot 8 of 8",
+    ("slot-free-list-at-a-slot-in-use", "reserve"):
+        "the slot free list's head is slot 3 of 8, in state 2",
     ("hash-chain-of-a-victim-past-the-table", "reserve"):
         "slot 3 is not on its hash chain (it reaches 8 after 0 hops)",
     ("pin-free-list-at-the-record-count", "pin"): "the pin free list's head is record 4 of 4",
@@ -435,6 +455,8 @@ SAYS = {
     ("shape-of-too-many-dimensions", "lookup"): "slot 0 holds a shape of 9 dimensions",
     ("extent-count-zero", "lookup"):
         "slot 0's extent chain reaches (0, 0) after 0 extents (ready blocks: 16)",
+    ("one-extent-past-the-blocks", "evict"):
+        "slot 3's extent chain reaches (6, 12) after 0 extents (ready blocks: 16)",
     ("extent-at-the-watermark", "lookup"):
         "slot 0's extent chain reaches (16, 0) after 0 extents (ready blocks: 16)",
     ("hash-chain-slot-in-no-state", "lookup"): "slot 3 is on a hash chain in state 9",
@@ -587,6 +609,24 @@ def test_a_corrupt_error_is_a_catalog_error_and_the_operation_can_be_retried(tmp
     )
     assert issubclass(CatalogCorruptError, CatalogError)
     assert c.reserve("new", B) is not None  # the rebuilt catalog serves at once
+    c.check()
+    c.close()
+
+
+def test_a_slot_free_list_head_one_past_the_table_is_refused_whatever_word_it_reaches(
+    tmp_path,
+):
+    """The head at the slot count reaches the key table's first word; with no key saved
+    yet that word is 0, as a FREE slot's state reads: refused by the head's own test,
+    never reserved (a reservation there would write the key table)."""
+    c = open_shared(tmp_path / "c", BLOCKS, max_key_bytes=4, max_items=MAX_ITEMS)
+    assert not any(c._k[:8])  # the word one past the slot table reads FREE
+    c._w[H_SLOT_FREE] = MAX_ITEMS
+    with pytest.raises(CatalogCorruptError) as err:
+        c.reserve("new", B)
+    assert "the slot free list's head is slot 8 of 8 (a stray write" in str(err.value)
+    assert not any(c._k[:8])  # the key table as it was
+    assert c.reserve("new", B) is not None  # rebuilt: the free list is the slots again
     c.check()
     c.close()
 

@@ -345,3 +345,17 @@ def test_a_verifier_that_fails_after_taking_its_slice_leaves_it_to_the_next(aren
         assert catalog.verify_step() == (1, 1)  # "b", from the cursor
         assert catalog.verify_step() == (1, 0)  # "a": the cursor started over
         catalog.check()
+
+
+def test_a_pinning_lookup_of_an_unverified_item_checks_it_then_pins_it(arena):
+    with SharedCatalog.for_arena(arena) as writer:
+        save(writer, arena, {"a": 100, "b": 100})
+        change(writer, arena, "b")
+    with SharedCatalog.for_arena(arena) as catalog:
+        catalog.begin_verify()
+        entry = catalog.lookup("a", pin=True)  # checked at once, then served pinned
+        assert entry is not None and entry.pins == 1 and catalog.entry("a").pins == 1
+        assert catalog.lookup("b", pin=True) is None  # checked: changed, dropped
+        assert catalog.state("b") is None and header(catalog)[2:] == (0, 0, 1)
+        catalog.unpin("a")
+        catalog.check()
