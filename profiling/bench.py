@@ -100,8 +100,7 @@ class Bench:
         self.unit = 8192
         self.arena = _make_arena(arena_bytes // self.unit, self.unit, arena_dir)
         self.mover = BlockMover(self.arena, device)
-        assert self.arena.host is not None, "Arena.create maps the arena's bytes"
-        self.host = self.arena.host
+        self.host = self.arena.host_tensor()
         gen = torch.Generator().manual_seed(0)
         self.items = [
             torch.randn(r, self.hidden, generator=gen).to(DTYPE).to(device) for r in self.step_rows

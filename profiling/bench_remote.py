@@ -107,8 +107,7 @@ def producer(directory: str, env: dict[str, str]):
 def nixl_rows(label, env, dst, src_ref, reqs, repeat, directory) -> tuple[list[dict], float]:
     """The rows of NIXL reads into ``dst`` and the seconds its connect took."""
     saved = {k: os.environ.get(k) for k in env}
-    host = dst.host
-    assert host is not None, "Arena.create maps the arena's bytes"
+    host = dst.host_tensor()
     os.environ.update(env)  # UCX reads its configuration when the agent's backend starts
     try:
         with (
@@ -149,8 +148,7 @@ def row(case, path, descriptors, pulls, s, ok) -> dict:
 
 
 def anchor_rows(src: torch.Tensor, dst: Arena, reqs, repeat) -> list[dict]:
-    host = dst.host
-    assert host is not None, "Arena.create maps the arena's bytes"
+    host = dst.host_tensor()
     rows = []
     for case, pulls in reqs.items():
         pieces = [pc for p in pulls for pc in _pieces(p.remote, BLOCK, p.local, BLOCK, p.nbytes)]
@@ -216,15 +214,15 @@ def main(argv: list[str] | None = None) -> int:
                            register_cuda="never")  # fmt: skip
         dst = Arena.create("bench-dst", block_bytes=BLOCK, num_blocks=BLOCKS, directory=d,
                            register_cuda="never")  # fmt: skip
-        assert src.host is not None, "Arena.create maps the arena's bytes"
         with src, dst:
-            fill_arena(src.host, SEED)  # the producer's bytes, for the anchors and the checks
+            src_host = src.host_tensor()
+            fill_arena(src_host, SEED)  # the producer's bytes, for the anchors and the checks
             rows, connects = [], {}
             for label, env in (("UCX default (CMA)", {}), ("UCX_TLS=tcp", {"UCX_TLS": "tcp"})):
-                r, connects[label] = nixl_rows(label, env, dst, src.host, reqs, args.repeat, d)
+                r, connects[label] = nixl_rows(label, env, dst, src_host, reqs, args.repeat, d)
                 rows += r
-            rows += anchor_rows(src.host, dst, reqs, args.repeat)
-            rows += window_rows(src.host, reqs, args.repeat)
+            rows += anchor_rows(src_host, dst, reqs, args.repeat)
+            rows += window_rows(src_host, reqs, args.repeat)
     version = getattr(nixl, "__name__", "nixl").split(".")[0]
     print(f"torch {torch.__version__}, {version}, {os.cpu_count()} CPUs; median of "
           f"{args.repeat} requests; producer in another process over 127.0.0.1\n")  # fmt: skip

@@ -91,8 +91,7 @@ def fill_persistent(
                               register_cuda="never", populate="eager", persistent=True,
                               max_items=size // item_bytes)  # fmt: skip
     with arena, open_catalog(arena, max_items=size // item_bytes) as catalog:
-        assert arena.host is not None, "a shared arena maps its bytes"
-        host = arena.host.numpy()
+        host = arena.host_tensor().numpy()
         tile = np.random.default_rng(0).integers(0, 256, item_bytes, dtype=np.uint8)
         n, offsets, data_at = 0, [], arena.meta_offset + arena.meta_bytes
         need = -(-item_bytes // block_bytes)

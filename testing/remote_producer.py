@@ -37,8 +37,7 @@ def fill_arena(host: torch.Tensor, seed: int) -> None:
 def serve(directory: str, name: str, block_bytes: int, num_blocks: int, seed: int) -> None:
     arena = Arena.create(name, block_bytes=block_bytes, num_blocks=num_blocks,
                          directory=directory, processes=1, register_cuda="never")  # fmt: skip
-    host = arena.host
-    assert host is not None, "Arena.create maps the arena's bytes"
+    host = arena.host_tensor()
     if seed >= 0:  # else leave the zeros (benchmarks and kill tests need no contents)
         fill_arena(host, seed)
     peer = ArenaPeer(arena, f"producer-{os.getpid()}", host="127.0.0.1",
