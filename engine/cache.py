@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import native
+from ..kernels import planner
 from ..kernels.nvtx import nvtx_range
 from ..kernels.step_table import StepTable
 from .arena.arena import DEFAULT_DIR, Arena, PopulateMode, RegisterMode
@@ -97,7 +97,7 @@ def step_tables(entries: list, *, fresh: bool = False) -> StepTable | list:
         return tables
     if not fresh:
         return StepTable.of_entries(entries)
-    return tables if native.planner() is not None else StepTable.from_tables(tables)
+    return tables if planner.plans_pairs_in_c() else StepTable.from_tables(tables)
 
 
 class OffloadCache:

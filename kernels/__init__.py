@@ -7,22 +7,13 @@ Set ``TRITON_INTERPRET=1`` before importing it to run the same kernels on CPU
 tensors under the Triton interpreter.
 """
 
-from .api import (
-    PACK_CONFIG,
-    UNPACK_CONFIG,
-    ItemViews,
-    LaunchConfig,
-    empty_items,
-    kernel_variants,
-    pack,
-    plan_batch,
-    triton_available,
-    unpack,
-    warm_up,
-)
+from .api import kernel_variants, pack, plan_batch, triton_available, unpack, warm_up
 from .block_copy import KernelVariant
-from .plan import VEC_WIDTHS, CopyPlan, PlanError, plan_copy
+from .items import ItemViews, empty_items
+from .plan import PACK_CONFIG, UNPACK_CONFIG, VEC_WIDTHS, CopyPlan, LaunchConfig
+from .planner import plan_copy
 from .reference import reference_pack, reference_unpack
+from .step_table import PlanError
 
 __all__ = [
     "PACK_CONFIG",

@@ -33,21 +33,14 @@ place, from the absolute address of every segment's source and destination
 access is a sticky "misaligned address" error on a GPU; the Triton
 interpreter never faults, so this is checked on addresses by the tests.
 
-Fast passes of one contract, and a reference. First choice, on every step:
-the C pass (``plan_native.c``, built at install time, loaded by
-:mod:`.native`): from a :class:`~.step_table.StepTable`'s int64 arrays
-(read through the buffer protocol) or from per-item tables of pairs, tens of
-nanoseconds per extent (BENCHMARKS.md, "Host cost of a step's copy"). Where it was
-not built (or
-``ECOFFLOAD_NATIVE_PLAN=0``), the Python passes: a step table's arrays go
-to the numpy pass as they are; per-item tables by size, one test per extent
-for steps of a few extents (numpy's per-call overhead would dominate
-there), and the vectorised numpy pass for fragmented steps (thousands of
-extents), where interpreted work per extent would cost milliseconds. The reference is
-the plain loop, which
-checks everything in order. When a fast pass finds any fault it hands the
-step on, and the loop names the first fault precisely. Cost grows with
-extents, never with blocks.
+The passes of one contract, here: the small pass (one test per extent, for steps of a
+few extents, where numpy's per-call overhead would dominate), the vectorised numpy
+pass (fragmented steps of thousands of extents, and a step table's arrays as they
+are), and the reference loop, which checks everything in order and names the first
+fault. A fast pass that finds any fault hands the step on to the loop. The planner's
+C pass (``plan_native.c``) implements the same contract without the interpreter;
+:mod:`.planner` chooses which pass plans a step. Cost grows with extents, never with
+blocks.
 """
 
 from __future__ import annotations
@@ -56,6 +49,7 @@ import struct
 from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import chain
 from operator import add
 from typing import NamedTuple
@@ -63,13 +57,31 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import native
-from .step_table import PlanError, StepTable, Tables, step_arrays
+from .step_table import PlanError
 
 MAX_VEC_BYTES = 16
-VECTORISE_FROM = 128  # extents per step from which numpy's whole-array passes pay
 VEC_WIDTHS = (1, 2, 4, 8, 16)  # every access width a plan can pick
-_I64_MAX = (1 << 63) - 1
+I64_MAX = (1 << 63) - 1  # the launch table's offsets are int64
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Persistent-grid size. Defaults from the H200 prototype (its figures:
+    shared/bench/h200-baseline.md): the fewest programs and warps that come near the
+    PCIe limit in each direction while leaving the SMs to concurrent compute; a
+    program per row would take every SM."""
+
+    num_programs: int
+    num_warps: int
+    tile_bytes: int = 16384
+    # Segments (contiguous on both sides) of at least this many bytes go to the
+    # copy engine, one ``copy_`` each on the same stream, the rest to the kernel.
+    # None until measured on the GPU (profiling/bench.py's DMA rows decide).
+    dma_min_bytes: int | None = None
+
+
+PACK_CONFIG = LaunchConfig(num_programs=8, num_warps=8)
+UNPACK_CONFIG = LaunchConfig(num_programs=16, num_warps=4)
 
 
 class CopyPlan(NamedTuple):
@@ -102,129 +114,14 @@ class CopyPlan(NamedTuple):
         return self.table[4 * self.num_segments :].view(-1, 3)
 
 
-def plan_copy(
-    item_offsets: Sequence[int],
-    item_nbytes: Sequence[int],
-    tables: Tables,
-    *,
-    block_bytes: int,
-    arena_bytes: int,
-    items_bytes: int,
-    tile_bytes: int = 16384,
-    items_base: int = 0,
-    arena_base: int = 0,
-    num_programs: int = 1,
-    dma_min_bytes: int | None = None,
-) -> CopyPlan:
-    """Build and validate the segment table for one launch.
-
-    Args:
-        item_offsets, item_nbytes: where each item's bytes sit in the items buffer.
-        tables: each item's extents, in stream order, covering exactly its
-            ``ceil(nbytes / block_bytes)`` blocks: per-item sequences of
-            ``(start, count)`` pairs, or a :class:`StepTable` (int64 arrays, read
-            by the C pass through the buffer protocol; planned in numpy without it).
-        block_bytes: arena block size; arena_bytes: the arena's size in bytes.
-        items_bytes: size of the items buffer (offsets are checked against it).
-        tile_bytes: bytes one program copies per loop iteration.
-        items_base, arena_base: absolute addresses of the items buffer and of the
-            arena (``data_ptr()``); the access width divides every segment's
-            ``items_base + item_offset`` and ``arena_base + arena_offset``.
-        num_programs: programs to split the tiles between (fewer if there are
-            fewer tiles).
-        dma_min_bytes: segments of at least this many bytes are left to the copy
-            engine (``CopyPlan.dma``) instead of the kernel; None: none are.
-    """
-    step = tables if isinstance(tables, StepTable) else None
-    c_pass = native.planner() if dma_min_bytes is None else None  # the DMA split: Python only
-    if c_pass is not None:  # first: it also makes every check below (None if one fails)
-        planned = plan_in_c(c_pass, item_offsets, item_nbytes, tables, block_bytes,
-                            arena_bytes, items_bytes, tile_bytes, items_base, arena_base,
-                            num_programs)  # fmt: skip
-        if planned is not None:
-            return planned
-    if num_programs <= 0:
-        raise PlanError(f"num_programs must be positive, got {num_programs}")
-    if tile_bytes <= 0:  # no tile would advance (0), or the program count goes negative
-        raise PlanError(f"tile_bytes must be positive, got {tile_bytes}")
-    if arena_bytes < 0:
-        raise PlanError(f"arena_bytes must not be negative, got {arena_bytes}")
-    if arena_bytes > _I64_MAX or items_bytes > _I64_MAX:  # the table's offsets are int64
-        raise PlanError(
-            f"an arena of {arena_bytes} bytes or items buffer of {items_bytes}: past int64, "
-            "which the launch table's offsets are"
-        )
-    arrays = None
-    if step is not None:  # the arrays as the C pass reads them, bounds checked (mutable)
-        arrays = extents, bounds = step_arrays(step.extents, step.bounds)
-        tables = StepTable.__new__(StepTable)  # the loop below reads these arrays, no others
-        tables.extents, tables.bounds = extents, bounds
-    if not (len(item_offsets) == len(tables) == len(item_nbytes)):
-        raise PlanError(
-            f"expected one offset and one block table per item, got {len(item_offsets)} "
-            f"offsets and {len(tables)} tables for {len(item_nbytes)} items"
-        )
-    if block_bytes <= 0 or arena_bytes % block_bytes:
-        raise PlanError(
-            f"arena of {arena_bytes} bytes is not a whole number of {block_bytes}-byte blocks"
-        )
-    args = (item_offsets, item_nbytes, tables, block_bytes, arena_bytes // block_bytes,
-            items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
-    if arrays is not None:  # arrays already: numpy plans them whatever their size
-        segments = _segments_arrays(arrays[0], np.diff(arrays[1]), *args[:2], *args[3:])
-    elif sum(map(len, tables)) >= VECTORISE_FROM:
-        segments = _segments_vectorised(*args)
-    else:
-        segments = _segments_small(*args)
-    flat, first_tiles, num_tiles, vec, total = segments or _segments_loop(*args)
-    dma: list[tuple[int, int, int]] = []
-    if dma_min_bytes is not None:
-        flat, first_tiles, num_tiles, dma = _leave_long_segments_to_dma(
-            flat, vec, tile_bytes, dma_min_bytes
-        )
-    programs = min(num_programs, num_tiles)
-    program_rows = _split_tiles(first_tiles, num_tiles, programs)
-    if isinstance(flat, array):
-        flat.extend(program_rows)
-    else:  # the small pass's list: one conversion
-        flat = array("q", flat + program_rows)
-    table = _int64_tensor(flat)
-    return CopyPlan(table, len(first_tiles), programs, vec, tile_bytes, num_tiles, total,
-                    tuple(dma), items_bytes, arena_bytes)  # fmt: skip
-
-
-def plan_in_c(c_pass, item_offsets, item_nbytes, tables, block_bytes, arena_bytes, items_bytes,
-              tile_bytes, items_base, arena_base, num_programs) -> CopyPlan | None:  # fmt: skip
-    """:func:`plan_copy`'s plan from the C pass (``native.planner()``), or None where it
-    declines (then the Python passes plan, or name what is wrong). Positional, no
-    defaults: the host path of every step calls it (a keyword call of
-    :func:`plan_copy` costs about a microsecond more)."""
-    try:
-        if isinstance(tables, StepTable):  # the arrays, through the buffer protocol (C checks)
-            planned = c_pass.plan_step(item_offsets, item_nbytes, tables.extents, tables.bounds,
-                                       block_bytes, arena_bytes, items_bytes, tile_bytes,
-                                       items_base, arena_base, num_programs)  # fmt: skip
-        else:
-            planned = c_pass.plan(item_offsets, item_nbytes, tables, block_bytes, arena_bytes,
-                                  items_bytes, tile_bytes, items_base, arena_base,
-                                  num_programs)  # fmt: skip
-    except (OverflowError, TypeError):  # past int64, or not an int: the Python passes
-        return None
-    if planned is None:
-        return None
-    rows, num_segments, programs, vec, num_tiles, total = planned
-    return CopyPlan(_int64_tensor(rows), num_segments, programs, vec, tile_bytes, num_tiles,
-                    total, (), items_bytes, arena_bytes)  # fmt: skip
-
-
-def _int64_tensor(buffer: array | bytearray) -> torch.Tensor:
+def int64_tensor(buffer: array | bytearray) -> torch.Tensor:
     """The table as a tensor sharing ``buffer``'s memory (frombuffer refuses an empty one)."""
     if not buffer:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(buffer, dtype=torch.int64)
 
 
-def _leave_long_segments_to_dma(
+def leave_long_segments_to_dma(
     flat: array | list[int], vec: int, tile_bytes: int, min_bytes: int
 ) -> tuple[array, array, int, list[tuple[int, int, int]]]:
     """Segment rows without those of ``min_bytes`` or more (tiles renumbered), and those."""
@@ -241,7 +138,7 @@ def _leave_long_segments_to_dma(
     return kept, first_tiles, tile, dma
 
 
-def _segments_loop(
+def segments_loop(
     item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
     items_base, arena_base,
 ) -> tuple[array, list[int], int, int, int]:  # fmt: skip
@@ -303,11 +200,11 @@ def _segments_loop(
     return array("q", rows), first_tiles, tile, vec, total
 
 
-def _segments_small(
+def segments_small(
     item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
     items_base, arena_base,
 ) -> tuple[list[int], list[int], int, int, int] | None:  # fmt: skip
-    """What :func:`_segments_loop` returns, with the least work per extent (steps of a
+    """What :func:`segments_loop` returns, with the least work per extent (steps of a
     few extents); None if anything is wrong (the loop then names the fault).
 
     One test per extent stands for three of the loop's: ``take`` is positive and
@@ -361,11 +258,11 @@ def _segments_small(
     return rows, rows[3::4], tile, vec, sum(item_nbytes)
 
 
-def _segments_vectorised(
+def segments_vectorised(
     item_offsets, item_nbytes, tables, block_bytes, num_blocks, items_bytes, tile_bytes,
     items_base, arena_base,
 ) -> tuple[array, array, int, int, int] | None:  # fmt: skip
-    """What :func:`_segments_loop` returns, in whole-array passes; None if anything
+    """What :func:`segments_loop` returns, in whole-array passes; None if anything
     is wrong (the loop then names the fault).
 
     An item is covered exactly when its extents' blocks hold its bytes with less
@@ -383,15 +280,15 @@ def _segments_vectorised(
         extents = np.frombuffer(struct.pack(f"{2 * n}q", *flat), np.int64).reshape(n, 2)
     except (struct.error, TypeError):
         return None  # not (start, count) pairs of int64
-    return _segments_arrays(extents, lens, item_offsets, item_nbytes, block_bytes, num_blocks,
+    return segments_arrays(extents, lens, item_offsets, item_nbytes, block_bytes, num_blocks,
                             items_bytes, tile_bytes, items_base, arena_base)  # fmt: skip
 
 
-def _segments_arrays(
+def segments_arrays(
     extents, lens, item_offsets, item_nbytes, block_bytes, num_blocks, items_bytes, tile_bytes,
     items_base, arena_base,
 ) -> tuple[array, array, int, int, int] | None:  # fmt: skip
-    """:func:`_segments_vectorised` on the extents as an int64 [E, 2] array, ``lens[i]`` of
+    """:func:`segments_vectorised` on the extents as an int64 [E, 2] array, ``lens[i]`` of
     them item i's (a step table's arrays, read as they are); None if anything is wrong."""
     if not len(item_offsets) or len(lens) != len(item_offsets) or len(lens) != len(item_nbytes):
         return None  # nothing to vectorise, or one count off: the loop says which
@@ -436,7 +333,7 @@ def _segments_arrays(
     return array("q", rows.tobytes()), array("q", first.tobytes()), num_tiles, vec, sum(item_nbytes)
 
 
-def _split_tiles(first_tiles: Sequence[int], num_tiles: int, programs: int) -> list[int]:
+def split_tiles(first_tiles: Sequence[int], num_tiles: int, programs: int) -> list[int]:
     """Program rows: ``num_tiles`` tiles in ``programs`` contiguous ranges of equal length
     (+-1), each with the segment its first tile falls in (every segment has a tile)."""
     rows: list[int] = []

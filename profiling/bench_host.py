@@ -47,8 +47,7 @@ import torch
 
 from ..engine import cache as cache_module
 from ..engine.cache import OffloadCache
-from ..kernels import PACK_CONFIG, UNPACK_CONFIG, empty_items, native
-from ..kernels import api as kernels_api
+from ..kernels import PACK_CONFIG, UNPACK_CONFIG, empty_items, native, planner
 from . import anchor_host_path as before
 
 HIDDEN = 4096  # bf16 encoder rows of 8 KiB
@@ -103,7 +102,7 @@ def old_save(sources, tables, arena, block):
 
 
 def new_save(sources, tables, arena, block):
-    return kernels_api._plan(sources, tables, arena, block, PACK_CONFIG)
+    return planner.plan_items(sources, tables, arena, block, PACK_CONFIG)
 
 
 def old_load(specs, tables, arena, block):
@@ -113,7 +112,7 @@ def old_load(specs, tables, arena, block):
 
 def new_load(specs, tables, arena, block):
     outputs = empty_items(specs, "cpu")
-    return kernels_api._plan(outputs, tables, arena, block, UNPACK_CONFIG)
+    return planner.plan_items(outputs, tables, arena, block, UNPACK_CONFIG)
 
 
 def host_rows(repeat: int) -> list[dict]:

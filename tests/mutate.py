@@ -230,7 +230,31 @@ MODULES: dict[str, list[str]] = {
         "tests/kernels/test_plan_native.py",
         "tests/kernels/test_plan.py",
     ],
-    # pack / unpack / plan_batch: the item layout, the launch (interpreted on CPU)
+    # which pass lays out and plans a step: every pass's tests, and the user paths
+    "kernels/planner.py": [
+        "tests/kernels/test_plan.py",
+        "tests/kernels/test_plan_alignment.py",
+        "tests/kernels/test_plan_programs.py",
+        "tests/kernels/test_plan_vectorised.py",
+        "tests/kernels/test_plan_small.py",
+        "tests/kernels/test_plan_native.py",
+        "tests/kernels/test_dma_split.py",
+        "tests/fuzz/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
+        "tests/kernels/test_block_copy.py",
+        "tests/kernels/test_memory_safety_kernels.py",
+        "tests/kernels/test_step_table.py",
+        "tests/kernels/test_empty_items.py",
+        "tests/kernels/test_fast_pass.py",
+    ],
+    # item buffers and the item layout in Python
+    "kernels/items.py": [
+        "tests/kernels/test_empty_items.py",
+        "tests/kernels/test_block_copy.py",
+        "tests/kernels/test_plan_native.py",
+        "tests/kernels/test_memory_safety_kernels.py",
+        "tests/kernels/test_plan_alignment.py",
+    ],
+    # pack / unpack / plan_batch: the launch (interpreted on CPU)
     "kernels/api.py": [
         "tests/kernels/test_memory_safety_kernels.py",
         "tests/kernels/test_plan_native.py",

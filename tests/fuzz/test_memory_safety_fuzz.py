@@ -54,7 +54,7 @@ from ecoffload.engine.catalog.shared.format import (
     meta_bytes,
 )
 from ecoffload.kernels import PlanError, native
-from ecoffload.kernels.plan import plan_copy
+from ecoffload.kernels.planner import plan_copy
 from ecoffload.kernels.step_table import StepTable
 
 FUZZ_SECONDS = float(os.environ.get("ECOFFLOAD_FUZZ_SECONDS", "10"))

@@ -10,13 +10,14 @@ from ecoffload.kernels import (
     LaunchConfig,
     PlanError,
     empty_items,
+    items,
     pack,
     plan_batch,
+    planner,
     reference_pack,
     triton_available,
     unpack,
 )
-from ecoffload.kernels import api as kernels_api
 from ecoffload.kernels.block_copy import launch_block_copy
 
 B = 4096
@@ -248,13 +249,13 @@ def test_offsets_count_from_the_lowest_non_empty_tensor(empty_first):
     buffer = torch.zeros(1000, dtype=torch.uint8, device=DEVICE)
     high, empty, low = buffer[600:700], buffer[0:0], buffer[200:300].view(torch.int16)
     items = [empty, high, low] if empty_first else [high, low, empty]
-    base, offsets, sizes, span = kernels_api._item_layout(items)
+    base, offsets, sizes, span = planner.item_layout(items)
     assert base.data_ptr() == low.data_ptr() and base.dtype == torch.uint8
     assert base.numel() == low.nbytes and base.is_contiguous()
     want = {id(high): 400, id(empty): 0, id(low): 0}
     assert offsets == [want[id(t)] for t in items]
     assert sizes == [t.nbytes for t in items] and span == 500
-    assert kernels_api._item_layout([empty, empty])[0] is None
+    assert planner.item_layout([empty, empty])[0] is None
 
 
 @pytest.mark.parametrize(
@@ -273,7 +274,7 @@ def test_the_items_base_is_one_uint8_view_over_the_lowest_item_s_bytes(shape, st
     launch reads its address and device only); a shape torch cannot view as bytes in
     place (0-d, a size-1 last dimension of another stride) is flattened first."""
     t = torch.empty_strided(shape, strides, dtype=dtype, device=DEVICE)
-    base = kernels_api._byte_view_of(t)
+    base = items.byte_view_of(t)
     assert (base.dtype, base.data_ptr(), base.numel()) == (torch.uint8, t.data_ptr(), t.nbytes)
     assert base.is_contiguous()
 

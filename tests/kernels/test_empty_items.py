@@ -4,8 +4,16 @@ unpack uses without asking each tensor for its address."""
 import pytest
 import torch
 
-from ecoffload.kernels import ItemViews, PlanError, empty_items, pack, unpack
-from ecoffload.kernels import api as kernels_api
+from ecoffload.kernels import (
+    ItemViews,
+    PlanError,
+    empty_items,
+    items,
+    native,
+    pack,
+    planner,
+    unpack,
+)
 
 B = 4096
 SAME = [(torch.bfloat16, (3, 64)), (torch.bfloat16, (0, 64)), (torch.bfloat16, (1, 63)),
@@ -54,7 +62,8 @@ def test_unpack_into_item_views_is_bit_exact_without_per_tensor_layout(specs, mo
     def no_layout(_):
         raise AssertionError("the layout of ItemViews is known: no per-tensor pass")
 
-    monkeypatch.setattr(kernels_api, "_item_layout", no_layout)
+    monkeypatch.setattr(native, "planner", lambda: None)  # a list: laid out in Python
+    monkeypatch.setattr(planner, "python_item_layout", no_layout)
     unpack(arena, tables, B, outputs)
     for got, want in zip(outputs, sources, strict=True):
         assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
@@ -69,7 +78,7 @@ def test_unpack_into_item_views_is_bit_exact_without_per_tensor_layout(specs, mo
 def test_one_split_makes_the_views_when_the_rows_allow_it(specs, split):
     """Pieces along dim 0, in rows: each item's rows and the gaps that put the next item
     on a 256-byte boundary; no split when a gap is not whole rows, or shapes differ."""
-    layout = kernels_api._layout(tuple(specs))
+    layout = items._layout(tuple(specs))
     assert layout.split == split
     if split is not None:
         views = empty_items(specs, "cpu")

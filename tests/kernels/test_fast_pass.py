@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from ecoffload.engine.cache import OffloadCache
-from ecoffload.kernels import native
-from ecoffload.kernels import plan as planner
+from ecoffload.kernels import native, planner
 
 B = 4096
 
@@ -49,7 +48,7 @@ def counted(monkeypatch):
     c_pass = CountingPass(module)
     monkeypatch.setattr(native, "planner", lambda: c_pass)
     python_calls = []
-    for name in ("_segments_loop", "_segments_small", "_segments_vectorised", "_segments_arrays"):
+    for name in ("segments_loop", "segments_small", "segments_vectorised", "segments_arrays"):
         original = getattr(planner, name)
 
         def spy(*args, _name=name, _original=original):

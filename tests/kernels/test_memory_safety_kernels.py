@@ -548,7 +548,7 @@ def test_a_launch_of_one_warp_runs():
 def test_a_step_table_is_planned_by_the_c_pass_alone(monkeypatch):
     """With the C pass loaded, a StepTable is planned in C, its arrays read through the
     buffer protocol: no Python pass runs (they would give the same plan, slower)."""
-    from ecoffload.kernels import plan as plan_module
+    from ecoffload.kernels import planner as plan_module
 
     if native.planner() is None:
         pytest.skip("the planner's C pass is not built on this host")
@@ -556,7 +556,7 @@ def test_a_step_table_is_planned_by_the_c_pass_alone(monkeypatch):
     kw = dict(block_bytes=B, arena_bytes=4 * B, items_bytes=3 * B, tile_bytes=1024,
               items_base=4096, arena_base=8192, num_programs=3)  # fmt: skip
     want = plan_copy([0, B], [B, 2 * B], step, **kw)
-    for name in ("_segments_arrays", "_segments_vectorised", "_segments_small", "_segments_loop"):
+    for name in ("segments_arrays", "segments_vectorised", "segments_small", "segments_loop"):
         monkeypatch.setattr(plan_module, name, lambda *a: pytest.fail("planned in Python"))
     got = plan_copy([0, B], [B, 2 * B], step, **kw)
     assert got.table.tolist() == want.table.tolist() and got[1:] == want[1:]

@@ -2,7 +2,7 @@ import pytest
 import torch
 from planners import PLANNERS, use_planner
 
-from ecoffload.kernels.plan import PlanError, plan_copy
+from ecoffload.kernels import PlanError, plan_copy
 
 B = 4096
 

@@ -25,8 +25,8 @@ from planners import require_native
 from ecoffload.engine.arena.arena import Arena
 from ecoffload.engine.catalog.allocator import Extent
 from ecoffload.engine.transfer import BlockMover
-from ecoffload.kernels import PlanError, api, native, plan
-from ecoffload.kernels.plan import plan_copy
+from ecoffload.kernels import PlanError, api, items, native, plan, planner
+from ecoffload.kernels.planner import plan_copy
 from ecoffload.kernels.step_table import StepTable
 
 
@@ -50,9 +50,9 @@ def c_plan(c_pass, args, num_programs=8):
 
 def loop_plan(args, num_programs):
     """The reference: the loop's rows and the program rows, as one int64 list."""
-    rows, first_tiles, tiles, vec, total = plan._segments_loop(*args)
+    rows, first_tiles, tiles, vec, total = plan.segments_loop(*args)
     programs = min(num_programs, tiles)
-    table = list(rows) + plan._split_tiles(first_tiles, tiles, programs)
+    table = list(rows) + plan.split_tiles(first_tiles, tiles, programs)
     return table, len(first_tiles), programs, vec, tiles, total
 
 
@@ -302,8 +302,8 @@ def test_valid_steps_never_reach_the_python_passes(c_pass, monkeypatch):
     def python(*args):
         raise AssertionError("planned in Python although the C pass was loaded")
 
-    for name in ("_segments_small", "_segments_vectorised", "_segments_loop"):
-        monkeypatch.setattr(plan, name, python)
+    for name in ("segments_small", "segments_vectorised", "segments_loop"):
+        monkeypatch.setattr(planner, name, python)
     for args, want in zip(steps, wanted, strict=True):
         offsets, sizes, tables, block, blocks, items_bytes, tile, ib, ab = args
         got = plan_copy(offsets, sizes, tables, block_bytes=block, arena_bytes=blocks * block,
@@ -315,8 +315,8 @@ def test_valid_steps_never_reach_the_python_passes(c_pass, monkeypatch):
 def test_a_copy_engine_split_is_planned_in_python(c_pass, monkeypatch):
     """``dma_min_bytes`` (unmeasured, off by default) takes the Python passes."""
     calls = []
-    real = plan._segments_small
-    monkeypatch.setattr(plan, "_segments_small", lambda *a: calls.append(1) or real(*a))
+    real = plan.segments_small
+    monkeypatch.setattr(planner, "segments_small", lambda *a: calls.append(1) or real(*a))
     offsets, sizes, tables, total = small.step(4)
     plan_copy(offsets, sizes, tables, block_bytes=small.B, arena_bytes=small.BLOCKS * small.B,
               items_bytes=total, dma_min_bytes=1 << 20)  # fmt: skip
@@ -451,7 +451,7 @@ def tensors_of(seed):
 def python_layout(tensors, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(native, "planner", lambda: None)
-        return api._item_layout(tensors)
+        return planner.item_layout(tensors)
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -460,7 +460,7 @@ def test_the_item_layout_is_python_s(c_pass, seed, monkeypatch):
     lowest, *numbers = c_pass.item_layout(tensors)
     want_base, *want = python_layout(tensors, monkeypatch)
     assert numbers == want
-    base, offsets, sizes, span = api._item_layout(tensors)
+    base, offsets, sizes, span = planner.item_layout(tensors)
     assert [offsets, sizes, span] == want
     if want_base is None:
         assert base is None
@@ -480,8 +480,8 @@ def test_valid_layouts_never_reach_the_python_lines(c_pass, monkeypatch):
     tensors = tensors_of(3) + [torch.zeros(5)]
     want = python_layout(tensors, monkeypatch)[1:]
     for name in ("_is_contiguous", "_data_ptr", "_nbytes"):
-        monkeypatch.setattr(api, name, lambda t: pytest.fail("laid out in Python"))
-    assert list(api._item_layout(tensors)[1:]) == list(want)
+        monkeypatch.setattr(items, name, lambda t: pytest.fail("laid out in Python"))
+    assert list(planner.item_layout(tensors)[1:]) == list(want)
 
 
 class Clearing(torch.Tensor):
@@ -502,7 +502,7 @@ def test_a_list_emptied_while_it_is_laid_out_is_read_as_it_was(c_pass):
     Clearing.victim = tensors
     snapshot = list(tensors)
     assert c_pass.item_layout(tensors) is None and tensors == snapshot
-    _, offsets, sizes, span = api._item_layout(tensors)
+    _, offsets, sizes, span = planner.item_layout(tensors)
     assert sizes == [16, 32, 8] and len(offsets) == 3
 
 
@@ -518,10 +518,10 @@ def test_what_the_c_layout_refuses_python_names(c_pass, odd):
     assert c_pass.item_layout(tensors) is None  # no exception left pending either
     if odd == "transposed":
         with pytest.raises(PlanError, match=r"tensor 1 is not contiguous \(shape \(4, 8\)"):
-            api._item_layout(tensors)
+            planner.item_layout(tensors)
     elif odd == "not a tensor":
         with pytest.raises(TypeError):
-            api._item_layout(tensors)
+            planner.item_layout(tensors)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

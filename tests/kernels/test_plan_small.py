@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from ecoffload.kernels import PlanError, native, plan
-from ecoffload.kernels.plan import plan_copy
+from ecoffload.kernels import PlanError, native, plan, planner
+from ecoffload.kernels.planner import plan_copy
 
 B = 4096
 BLOCKS = 200
@@ -54,9 +54,9 @@ def args_of(offsets, sizes, tables, items_bytes, items_base=ITEMS_BASE, arena_ba
 
 
 def agree(args):
-    small = plan._segments_small(*args)
+    small = plan.segments_small(*args)
     assert small is not None, "a valid step was handed to the loop"
-    rows, first_tiles, tiles, vec, total = plan._segments_loop(*args)
+    rows, first_tiles, tiles, vec, total = plan.segments_loop(*args)
     assert list(small[0]) == list(rows) and list(small[1]) == list(first_tiles)
     assert small[2:] == (tiles, vec, total)
     return vec
@@ -68,7 +68,7 @@ def test_the_small_pass_agrees_with_the_loop_on_valid_steps(seed, tile_bytes):
     """A tile one byte short of a block too: a whole block is two tiles, one byte in the
     second (the pass's ceiling division must be the loop's for any tile size)."""
     offsets, sizes, tables, total = step(seed)
-    assert sum(map(len, tables)) < plan.VECTORISE_FROM
+    assert sum(map(len, tables)) < planner.VECTORISE_FROM
     agree(args_of(offsets, sizes, tables, total, tile_bytes=tile_bytes))
 
 
@@ -96,7 +96,7 @@ def test_the_edges_of_a_valid_step():
 
 
 def test_an_empty_step():
-    assert plan._segments_small([], [], [], B, BLOCKS, 0, 1024, 0, 0) == ([], [], 0, 16, 0)
+    assert plan.segments_small([], [], [], B, BLOCKS, 0, 1024, 0, 0) == ([], [], 0, 16, 0)
 
 
 def one_fault(kind):
@@ -149,7 +149,7 @@ def test_the_fault_free_step_is_valid():
 
 def assert_plan_copy_raises_the_loop_s_error(args):
     with pytest.raises(PlanError) as loop:
-        plan._segments_loop(*args)
+        plan.segments_loop(*args)
     offsets, sizes, tables, block, blocks, items_bytes, tile, _, _ = args
     with pytest.raises(PlanError) as planned:
         plan_copy(offsets, sizes, tables, block_bytes=block, arena_bytes=blocks * block,
@@ -160,22 +160,22 @@ def assert_plan_copy_raises_the_loop_s_error(args):
 @pytest.mark.parametrize("kind", FAULTS)
 def test_every_faulty_step_goes_to_the_loop_which_names_it(kind):
     args = one_fault(kind)
-    assert plan._segments_small(*args) is None
+    assert plan.segments_small(*args) is None
     assert_plan_copy_raises_the_loop_s_error(args)
 
 
 def test_a_step_below_vectorise_from_is_planned_by_the_small_pass(monkeypatch):
-    n = plan.VECTORISE_FROM - 1
+    n = planner.VECTORISE_FROM - 1
     step_args = ([i * B for i in range(n)], [B] * n, [[(n - 1 - i, 1)] for i in range(n)])
     kw = dict(block_bytes=B, arena_bytes=n * B, items_bytes=n * B, tile_bytes=2048)
-    monkeypatch.setattr(plan, "_segments_small", lambda *args: None)
+    monkeypatch.setattr(planner, "segments_small", lambda *args: None)
     want = plan_copy(*step_args, **kw)  # the loop's plan
     monkeypatch.undo()
 
     def loop(*args):
         raise AssertionError("a valid small step was planned by the loop")
 
-    monkeypatch.setattr(plan, "_segments_loop", loop)
+    monkeypatch.setattr(planner, "segments_loop", loop)
     got = plan_copy(*step_args, **kw)
     assert got.table.tolist() == want.table.tolist() and got.num_segments == n
 
@@ -185,7 +185,7 @@ def test_entries_that_are_not_pairs_of_ints_go_to_the_loop(entry):
     """Even after a fault the loop finds first: the loop's error is the one raised."""
     args = one_fault("negative-start")
     args[2][2] = [entry]
-    assert plan._segments_small(*args) is None
+    assert plan.segments_small(*args) is None
     offsets, sizes, tables, block, blocks, items_bytes, tile, _, _ = args
     with pytest.raises(PlanError, match=r"extent \(-1, 1\) is not inside"):
         plan_copy(offsets, sizes, tables, block_bytes=block, arena_bytes=blocks * block,

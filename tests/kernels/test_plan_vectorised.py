@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from ecoffload.kernels import PlanError, native, plan
-from ecoffload.kernels.plan import plan_copy
+from ecoffload.kernels import PlanError, native, plan, planner
+from ecoffload.kernels.planner import plan_copy
 
 B = 4096
 
@@ -43,8 +43,8 @@ def step(seed, items=40, max_extents=12, zero_items=True):
 
 def loop_only(monkeypatch):
     """Plan every step with the loop: no vectorised pass, no small-step pass."""
-    monkeypatch.setattr(plan, "VECTORISE_FROM", 10**9)
-    monkeypatch.setattr(plan, "_segments_small", lambda *args: None)
+    monkeypatch.setattr(planner, "VECTORISE_FROM", 10**9)
+    monkeypatch.setattr(planner, "segments_small", lambda *args: None)
 
 
 def both(offsets, sizes, tables, items_bytes, monkeypatch):
@@ -60,7 +60,7 @@ def both(offsets, sizes, tables, items_bytes, monkeypatch):
 @pytest.mark.parametrize("seed", range(12))
 def test_vectorised_plan_equals_the_loop_plan(seed, monkeypatch):
     offsets, sizes, tables, total = step(seed)
-    assert sum(map(len, tables)) >= plan.VECTORISE_FROM
+    assert sum(map(len, tables)) >= planner.VECTORISE_FROM
     fast, slow = both(offsets, sizes, tables, total, monkeypatch)
     assert torch.equal(fast.table, slow.table)
     assert (fast.vec_bytes, fast.num_tiles, fast.nbytes, fast.num_segments) == (
@@ -94,7 +94,7 @@ def test_faulty_steps_get_the_loop_planner_s_error(kind, seed, monkeypatch):
             if only_the_loop:
                 loop_only(m)
             else:
-                m.setattr(plan, "VECTORISE_FROM", 0)
+                m.setattr(planner, "VECTORISE_FROM", 0)
             with pytest.raises(PlanError) as caught:
                 plan_copy(offsets, sizes, bad, block_bytes=B, arena_bytes=2000 * B,
                           items_bytes=total)  # fmt: skip
@@ -110,9 +110,9 @@ def args_of(offsets, sizes, tables, total):
 def test_the_vectorised_pass_itself_agrees_with_the_loop_on_valid_steps(seed):
     """Not only the final plan: the pass must not quietly hand valid steps to the loop."""
     args = args_of(*step(seed))
-    fast = plan._segments_vectorised(*args)
+    fast = plan.segments_vectorised(*args)
     assert fast is not None, "a valid step was handed to the loop"
-    rows, first_tiles, tiles, vec, total = plan._segments_loop(*args)
+    rows, first_tiles, tiles, vec, total = plan.segments_loop(*args)
     assert fast[0] == rows and list(fast[1]) == list(first_tiles)
     assert fast[2:] == (tiles, vec, total)
 
@@ -122,11 +122,11 @@ def test_the_vectorised_pass_itself_agrees_with_the_loop_on_valid_steps(seed):
 def test_the_vectorised_pass_hands_every_faulty_step_to_the_loop(kind, seed):
     offsets, sizes, tables, total = step(seed, zero_items=False)
     bad = corrupt(tables, sizes, kind, random.Random(seed))
-    assert plan._segments_vectorised(*args_of(offsets, sizes, bad, total)) is None
+    assert plan.segments_vectorised(*args_of(offsets, sizes, bad, total)) is None
     item_fault = [list(t) for t in tables]
-    assert plan._segments_vectorised(*args_of(offsets, sizes, item_fault, total)) is not None
+    assert plan.segments_vectorised(*args_of(offsets, sizes, item_fault, total)) is not None
     shifted = [o + 1 for o in offsets]  # an item past the end of the items buffer
-    assert plan._segments_vectorised(*args_of(shifted, sizes, tables, total)) is None
+    assert plan.segments_vectorised(*args_of(shifted, sizes, tables, total)) is None
 
 
 def edge_step():
@@ -156,9 +156,9 @@ def edge_step():
 def test_the_vectorised_pass_agrees_with_the_loop_at_the_edges_of_a_valid_step():
     offsets, sizes, tables, total = edge_step()
     args = args_of(offsets, sizes, tables, total)
-    fast = plan._segments_vectorised(*args)
+    fast = plan.segments_vectorised(*args)
     assert fast is not None, "a valid step was handed to the loop"
-    rows, first_tiles, tiles, vec, nbytes = plan._segments_loop(*args)
+    rows, first_tiles, tiles, vec, nbytes = plan.segments_loop(*args)
     assert vec == 16 and any(n % 16 for n in sizes)  # tails to count
     assert fast[0] == rows and list(fast[1]) == list(first_tiles)
     assert fast[2:] == (tiles, vec, nbytes)
@@ -190,12 +190,12 @@ def one_fault(kind):
 def test_the_vectorised_pass_hands_a_step_with_one_fault_alone_to_the_loop(kind):
     args = one_fault(kind)
     with pytest.raises(PlanError):
-        plan._segments_loop(*args)
-    assert plan._segments_vectorised(*args) is None
+        plan.segments_loop(*args)
+    assert plan.segments_vectorised(*args) is None
 
 
 def test_a_step_of_vectorise_from_extents_is_planned_by_the_vectorised_pass(monkeypatch):
-    n = plan.VECTORISE_FROM
+    n = planner.VECTORISE_FROM
     step_args = ([i * B for i in range(n)], [B] * n, [[(n - 1 - i, 1)] for i in range(n)])
     kw = dict(block_bytes=B, arena_bytes=n * B, items_bytes=n * B, tile_bytes=2048)
     with monkeypatch.context() as m:
@@ -205,8 +205,8 @@ def test_a_step_of_vectorise_from_extents_is_planned_by_the_vectorised_pass(monk
     def loop(*args):
         raise AssertionError("a fragmented step was planned one extent at a time")
 
-    monkeypatch.setattr(plan, "_segments_loop", loop)
-    monkeypatch.setattr(plan, "_segments_small", loop)
+    monkeypatch.setattr(planner, "segments_loop", loop)
+    monkeypatch.setattr(planner, "segments_small", loop)
     got = plan_copy(*step_args, **kw)
     assert torch.equal(got.table, want.table)
 
@@ -224,9 +224,9 @@ def test_huge_extents_are_refused_never_wrapped(extent):
     tables = [list(t) for t in tables]
     tables[0].append(extent)
     args = args_of(offsets, sizes, tables, total)
-    assert plan._segments_vectorised(*args) is None
+    assert plan.segments_vectorised(*args) is None
     with pytest.raises(PlanError):
-        plan._segments_loop(*args)
+        plan.segments_loop(*args)
 
 
 @pytest.mark.parametrize("entry", [(5, 1, 0), (5,), (5.0, 1), ("5", 1)])
@@ -234,7 +234,7 @@ def test_entries_that_are_not_pairs_of_ints_go_to_the_loop(entry):
     offsets, sizes, tables, total = edge_step()
     tables = [list(t) for t in tables]
     tables[3] = [entry]
-    assert plan._segments_vectorised(*args_of(offsets, sizes, tables, total)) is None
+    assert plan.segments_vectorised(*args_of(offsets, sizes, tables, total)) is None
 
 
 def test_a_count_whose_end_and_bytes_wrap_int64_is_refused():
@@ -242,31 +242,31 @@ def test_a_count_whose_end_and_bytes_wrap_int64_is_refused():
     disjointness test passes) and count * 4096 wraps to -4096 bytes, which an extra
     whole block in the same item makes up for: every check on wrapped values passes,
     and a segment of -4096 bytes would reach the kernel. Counts are bounded first."""
-    n = plan.VECTORISE_FROM + 6
+    n = planner.VECTORISE_FROM + 6
     tables = [[(i, 1)] for i in range(n)]
     tables[0] = [(0, 1), (100, 1), (1990, 2**63 - 1)]
     args = ([i * B for i in range(n)], [B] * n, tables, B, 2000, n * B, 2048, 0, 0)
-    assert plan._segments_vectorised(*args) is None
+    assert plan.segments_vectorised(*args) is None
     with pytest.raises(PlanError, match="lists more blocks"):
-        plan._segments_loop(*args)
+        plan.segments_loop(*args)
 
 
 def test_a_start_whose_end_wraps_int64_is_refused():
     """(2**63 - 1, 1) as the highest start: its end wraps to the lowest (so the sorted
     ends still pass) and its arena offset to -4096; starts are bounded first."""
-    n = plan.VECTORISE_FROM + 6
+    n = planner.VECTORISE_FROM + 6
     tables = [[(i, 1)] for i in range(n)]
     tables[-1] = [(2**63 - 1, 1)]
     args = ([i * B for i in range(n)], [B] * n, tables, B, 2000, n * B, 2048, 0, 0)
-    assert plan._segments_vectorised(*args) is None
+    assert plan.segments_vectorised(*args) is None
     with pytest.raises(PlanError, match="is not inside the arena's blocks"):
-        plan._segments_loop(*args)
+        plan.segments_loop(*args)
 
 
 def test_one_extent_of_the_whole_arena_is_planned_by_the_pass():
     args = ([0], [2000 * B - 1], [[(0, 2000)]], B, 2000, 2000 * B, 2048, 0, 0)
-    fast = plan._segments_vectorised(*args)
+    fast = plan.segments_vectorised(*args)
     assert fast is not None, "a valid step was handed to the loop"
-    rows, first_tiles, tiles, vec, total = plan._segments_loop(*args)
+    rows, first_tiles, tiles, vec, total = plan.segments_loop(*args)
     assert fast[0] == rows and list(fast[1]) == list(first_tiles)
     assert fast[2:] == (tiles, vec, total)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ecoffload.engine.catalog.allocator import Extent
-from ecoffload.kernels import PlanError, native, plan, plan_copy
+from ecoffload.kernels import PlanError, native, plan_copy, planner
 from ecoffload.kernels.step_table import StepTable
 
 TABLES = [[(4, 2)], [], [(0, 1), (9, 3), (7, 1)], [(12, 1)]]
@@ -78,13 +78,13 @@ def test_a_faulty_step_table_is_named_as_precisely_as_per_item_tables(monkeypatc
     if not c_pass:
         monkeypatch.setattr(native, "planner", lambda: None)
     numpy_refusals = []
-    real = plan._segments_arrays
+    real = planner.segments_arrays
 
     def counted(*args):
         numpy_refusals.append(real(*args))
         return numpy_refusals[-1]
 
-    monkeypatch.setattr(plan, "_segments_arrays", counted)
+    monkeypatch.setattr(planner, "segments_arrays", counted)
     overlapping = StepTable.from_tables([[(0, 2)], [(1, 1)]])
     with pytest.raises(PlanError, match=r"blocks given twice: extent \(0, 2\) of item 0 "
                                         r"overlaps extent \(1, 1\) of item 1"):  # fmt: skip

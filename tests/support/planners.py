@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from ecoffload.kernels import native, plan
+from ecoffload.kernels import native, planner
 
 PLANNERS = ("native", "small", "vectorised", "loop")
 
@@ -21,9 +21,9 @@ def use_planner(monkeypatch, name: str) -> None:
         return
     monkeypatch.setattr(native, "planner", lambda: None)
     # vectorised: every step with an extent (it needs one; an empty step takes the small pass)
-    monkeypatch.setattr(plan, "VECTORISE_FROM", 1 if name == "vectorised" else 10**9)
+    monkeypatch.setattr(planner, "VECTORISE_FROM", 1 if name == "vectorised" else 10**9)
     if name == "loop":
-        monkeypatch.setattr(plan, "_segments_small", lambda *args: None)
+        monkeypatch.setattr(planner, "segments_small", lambda *args: None)
 
 
 def require_native():
