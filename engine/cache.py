@@ -81,23 +81,25 @@ class SaveResult:
 STEP_TABLE_FROM = 64  # extents per step from which one StepTable beats the entries' tuples
 
 
-def step_tables(entries: list, *, fresh: bool = False) -> StepTable | list:
-    """The block tables of a step's catalog entries as the planner reads them fastest.
+def step_tables(entries: list, *, fresh: bool = False) -> StepTable:
+    """The block tables of a step's catalog entries, as the planner reads them fastest.
 
-    The entries' own ``Extent`` lists for a few extents (the C pass reads a few tuples
-    in less time than numpy takes to make arrays), and for ``fresh`` reservations (a
-    save's, planned once) whenever the C pass is loaded: it reads the tuples faster
-    than Python could flatten them into arrays (BENCHMARKS.md, "The save path's last
-    cuts"). Otherwise
-    one :class:`StepTable` concatenating the entries' int64 arrays, each made once and
-    kept by its entry (a load's entries live on in the catalog); for fresh reservations
-    without the C pass (the numpy pass reads the table), one pass over their extents."""
+    Over the entries' own ``Extent`` lists for a few extents (the C pass reads a few
+    tuples in less time than numpy takes to make arrays), and for ``fresh``
+    reservations (a save's, planned once) whenever the C pass is loaded: it reads the
+    tuples faster than Python could flatten them into arrays (BENCHMARKS.md, "The save
+    path's last cuts"). Otherwise the entries' int64 arrays, each made once and kept by
+    its entry (a load's entries live on in the catalog), concatenated; for fresh
+    reservations without the C pass (the numpy pass reads the arrays), one pass over
+    their extents."""
     tables = [e.extents for e in entries]
     if sum(map(len, tables)) < STEP_TABLE_FROM:  # map: no bytecode per entry
-        return tables
+        return StepTable.of_pairs(tables)
     if not fresh:
         return StepTable.of_entries(entries)
-    return tables if planner.plans_pairs_in_c() else StepTable.from_tables(tables)
+    return (
+        StepTable.of_pairs(tables) if planner.plans_pairs_in_c() else StepTable.from_tables(tables)
+    )
 
 
 class OffloadCache:

@@ -52,7 +52,7 @@ from ..kernels import (
     warm_up,
 )
 from ..kernels.nvtx import nvtx_range
-from ..kernels.step_table import StepTable, Tables
+from ..kernels.step_table import StepTable
 from .arena.arena import Arena
 
 
@@ -184,9 +184,10 @@ class BlockMover:
             raise ValueError(f"{self.arena.path} is closed")
         return self.arena.host
 
-    def save(self, sources: Sequence[torch.Tensor], tables: Tables) -> Completion:
+    def save(self, sources: Sequence[torch.Tensor], tables: StepTable) -> Completion:
         """Copy ``sources`` (on this mover's device) into their blocks; one launch."""
         with nvtx_range("ecoffload.save"):
+            _check_step_table(tables)
             sources = list(sources)
             if self.stream is None:
                 copy = partial(self._copy, sources, tables, to_arena=True)
@@ -200,7 +201,7 @@ class BlockMover:
             return Completion(event, keep_alive=sources, release=self._events.append)
 
     def load(
-        self, tables: Tables, specs: Sequence[tuple[torch.dtype, Sequence[int]]]
+        self, tables: StepTable, specs: Sequence[tuple[torch.dtype, Sequence[int]]]
     ) -> tuple[list[torch.Tensor], Completion]:
         """New tensors of the given (dtype, shape), filled from their blocks; one launch.
 
@@ -209,6 +210,7 @@ class BlockMover:
         loaded data without a host sync.
         """
         with nvtx_range("ecoffload.load"):
+            _check_step_table(tables)
             if self.stream is None:
                 outputs = empty_items(specs, self.device)
                 copy = partial(self._copy, outputs, tables, to_arena=False)
@@ -229,22 +231,18 @@ class BlockMover:
         event.record(self.stream)
         return event
 
-    def _copy(self, tensors: list[torch.Tensor], tables: Tables, *, to_arena: bool) -> None:
+    def _copy(self, tensors: list[torch.Tensor], tables: StepTable, *, to_arena: bool) -> None:
         block = self.arena.block_bytes
         backend = "auto" if self.path == "kernel" else "reference"
         if backend == "auto" and self.arena.registered:
-            # A step table's item as an array view: covers() walks it only while
-            # registration is incomplete, so no Python object per extent otherwise.
-            of = tables.extents_of if isinstance(tables, StepTable) else tables.__getitem__
+            # An item's extents as an array view or its pairs: covers() walks them only
+            # while registration is incomplete, so no Python object per extent otherwise.
+            of = tables.extents_of
             unregistered = {i for i in range(len(tables)) if not self.arena.covers(of(i))}
             if unregistered:
                 host = sorted(unregistered)
                 rest = [i for i in range(len(tables)) if i not in unregistered]
-                host_tables: Tables
-                if isinstance(tables, StepTable):
-                    host_tables, tables = tables.select(host), tables.select(rest)
-                else:
-                    host_tables, tables = [tables[i] for i in host], [tables[i] for i in rest]
+                host_tables, tables = tables.select(host), tables.select(rest)
                 self._host_copy([tensors[i] for i in host], host_tables, to_arena)
                 tensors = [tensors[i] for i in rest]
                 if not tensors:
@@ -255,10 +253,19 @@ class BlockMover:
         else:
             unpack(arena, tables, block, tensors, config=self.unpack_config, backend=backend)
 
-    def _host_copy(self, tensors: list[torch.Tensor], tables: Tables, to_arena: bool) -> None:
+    def _host_copy(self, tensors: list[torch.Tensor], tables: StepTable, to_arena: bool) -> None:
         """Reference copies through the host mapping (blocks this process has not registered)."""
         block, host = self.arena.block_bytes, self.arena.host_tensor()
         if to_arena:
             pack(tensors, tables, host, block, backend="reference")
         else:
             unpack(host, tables, block, tensors, backend="reference")
+
+
+def _check_step_table(tables: object) -> None:
+    """TypeError unless ``tables`` is the one block-table type past the catalogs."""
+    if not isinstance(tables, StepTable):
+        raise TypeError(
+            f"a mover's block tables are one StepTable per step, got {type(tables).__name__}: "
+            "make one with StepTable.of_pairs(per_item_pairs) or StepTable.from_tables"
+        )

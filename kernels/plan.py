@@ -51,7 +51,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from operator import add
+from operator import add, index
 from typing import NamedTuple
 
 import numpy as np
@@ -157,7 +157,14 @@ def segments_loop(
                 f"buffer of {items_bytes} bytes"
             )
         pos = 0
-        for start, count in table:
+        for extent in table:
+            try:
+                start, count = map(index, extent)
+            except (TypeError, ValueError):  # not a pair, or not of integers
+                raise PlanError(
+                    f"item {item}: extent {extent!r} is not a (start, count) pair of integers; "
+                    "block tables must come from this arena's allocator"
+                ) from None
             if count <= 0 or start < 0 or start + count > num_blocks:
                 raise PlanError(
                     f"item {item}: extent ({start}, {count}) is not inside the arena's blocks "

@@ -157,6 +157,8 @@ def plan_copy(
         dma_min_bytes: segments of at least this many bytes are left to the copy
             engine (``CopyPlan.dma``) instead of the kernel; None: none are.
     """
+    if isinstance(tables, StepTable) and tables.pairs is not None:
+        tables = tables.pairs  # pairs kept as given: planned as pairs, no arrays made
     step = tables if isinstance(tables, StepTable) else None
     c_pass = native.planner() if dma_min_bytes is None else None  # the DMA split: Python only
     if c_pass is not None:  # first: it also makes every check below (None if one fails)
@@ -221,13 +223,15 @@ def plan_in_c(c_pass, item_offsets, item_nbytes, tables, block_bytes, arena_byte
     declines (then the Python passes plan, or name what is wrong). Positional, no
     defaults: the host path of every step calls it (a keyword call of
     :func:`plan_copy` costs about a microsecond more)."""
+    step = tables if isinstance(tables, StepTable) else None
+    pairs = tables if step is None else step.pairs  # a step table's pairs, kept as given
     try:
-        if isinstance(tables, StepTable):  # the arrays, through the buffer protocol (C checks)
-            planned = c_pass.plan_step(item_offsets, item_nbytes, tables.extents, tables.bounds,
+        if step is not None and pairs is None:  # its arrays, through the buffer protocol
+            planned = c_pass.plan_step(item_offsets, item_nbytes, step.extents, step.bounds,
                                        block_bytes, arena_bytes, items_bytes, tile_bytes,
                                        items_base, arena_base, num_programs)  # fmt: skip
         else:
-            planned = c_pass.plan(item_offsets, item_nbytes, tables, block_bytes, arena_bytes,
+            planned = c_pass.plan(item_offsets, item_nbytes, pairs, block_bytes, arena_bytes,
                                   items_bytes, tile_bytes, items_base, arena_base,
                                   num_programs)  # fmt: skip
     except (OverflowError, TypeError):  # past int64, or not an int: the Python passes

@@ -12,6 +12,12 @@ per extent); without it, the numpy pass plans the same arrays. A step table
 pickles as two buffers, which is how the connector's metadata carries it
 from the scheduler to the workers.
 
+It is the one block-table type past the catalogs: the engine hands its mover a step
+table for every step. A step planned once in this process (a save's fresh
+reservations) may keep its per-item pairs instead (:meth:`StepTable.of_pairs`): the
+C pass reads a few pairs in less time than making arrays of them takes, and the
+arrays are made on first use.
+
 It is also a read-only sequence of per-item tables (``table[i]``: a list of
 ``(start, count)`` tuples), so code that walks tables one item at a time (the
 reference copy, the loop planner naming a fault, a CRC) takes it unchanged.
@@ -87,20 +93,42 @@ def step_arrays(extents: object, bounds: object) -> tuple[np.ndarray, np.ndarray
 
 
 class StepTable(Sequence):
-    """Block tables of the items of one step (see the module docstring)."""
+    """Block tables of the items of one step (see the module docstring).
 
-    __slots__ = ("bounds", "extents")
+    Made from arrays (the constructor, :meth:`from_tables`, :meth:`of_entries`,
+    unpickling), or over per-item tables of pairs kept as given (:meth:`of_pairs`):
+    the planner's C pass reads those pairs directly, and the arrays are made only when
+    something asks for them (``extents``, ``bounds``, pickling, :meth:`check`).
+    """
+
+    __slots__ = ("_bounds", "_extents", "pairs")
+
+    # Per-item tables of pairs, for a table made by of_pairs until its arrays are made;
+    # None once the arrays are what the table holds.
+    pairs: Sequence[Extents] | None
 
     def __init__(self, extents: np.ndarray, bounds: np.ndarray) -> None:
         extents = np.ascontiguousarray(extents, dtype=np.int64).reshape(-1, 2)
         bounds = np.ascontiguousarray(bounds, dtype=np.int64).reshape(-1)
         step_arrays(extents, bounds)
-        self.extents, self.bounds = extents, bounds
+        self._extents, self._bounds, self.pairs = extents, bounds, None
+
+    @classmethod
+    def of_pairs(cls, tables: Sequence[Extents]) -> StepTable:
+        """The step table of per-item tables of ``(start, count)`` pairs, kept as given
+        (not copied, not checked until planned: the planner checks every pair). For a
+        step planned once in this process, such as a save's fresh reservations: the C
+        pass reads a few pairs in less time than making arrays of them takes."""
+        table = cls.__new__(cls)
+        table._extents = table._bounds = None
+        table.pairs = tables if isinstance(tables, list | tuple) else list(tables)
+        return table
 
     @classmethod
     def from_tables(cls, tables: Iterable[Sequence[tuple[int, int]]]) -> StepTable:
-        """The step table of per-item tables of ``(start, count)`` pairs (at the boundary
-        with code that holds extents as pairs: one pass, no intermediate list)."""
+        """The step table of per-item tables of ``(start, count)`` pairs, as arrays made
+        now (at the boundary with code that holds extents as pairs: one pass, no
+        intermediate list)."""
         tables = tables if isinstance(tables, list | tuple) else list(tables)
         if not tables:
             return cls._made(_NO_EXTENTS, _NO_BOUNDS)
@@ -118,7 +146,7 @@ class StepTable(Sequence):
         """One from arrays made here (checked all the same: a few microseconds)."""
         step_arrays(extents, bounds)
         table = cls.__new__(cls)
-        table.extents, table.bounds = extents, bounds
+        table._extents, table._bounds, table.pairs = extents, bounds, None
         return table
 
     @classmethod
@@ -143,11 +171,53 @@ class StepTable(Sequence):
         )
         return cls(np.concatenate([t.extents for t in tables]), bounds)
 
+    @property
+    def extents(self) -> np.ndarray:
+        """int64 [E, 2]: every item's extents, item after item."""
+        if self.pairs is not None:
+            self._make_arrays()
+        return self._extents  # pyright: ignore[reportReturnType]  (made above)
+
+    @extents.setter
+    def extents(self, extents: np.ndarray) -> None:
+        self._hold_arrays()
+        self._extents = extents
+
+    @property
+    def bounds(self) -> np.ndarray:
+        """int64 [N + 1]: item i's extents are ``extents[bounds[i] : bounds[i + 1]]``."""
+        if self.pairs is not None:
+            self._make_arrays()
+        return self._bounds  # pyright: ignore[reportReturnType]  (made above)
+
+    @bounds.setter
+    def bounds(self, bounds: np.ndarray) -> None:
+        self._hold_arrays()
+        self._bounds = bounds
+
+    def _hold_arrays(self) -> None:
+        """Before one array is set: the table holds arrays from now on (a table of pairs
+        makes both first, so the other stays its items'; one made by ``__new__`` has
+        neither yet)."""
+        if getattr(self, "pairs", None) is not None:
+            self._make_arrays()
+        self.pairs = None
+
+    def _make_arrays(self) -> None:
+        """The pairs as arrays, which the table holds from now on (PlanError for a pair
+        that is not two int64s)."""
+        assert self.pairs is not None, "a table of pairs"
+        made = StepTable.from_tables(self.pairs)
+        self._extents, self._bounds, self.pairs = made._extents, made._bounds, None
+
     def select(self, items: Sequence[int]) -> StepTable:
-        """The step table of the given items, in the given order (array slices, no
-        Python object per extent)."""
+        """The step table of the given items, in the given order (array slices, or the
+        items' pairs, no Python object per extent)."""
         if list(items) == list(range(len(self))):
             return self
+        if self.pairs is not None:
+            pairs = self.pairs
+            return StepTable.of_pairs([pairs[i] for i in items])
         lo, hi = self.bounds[:-1], self.bounds[1:]
         picked = [self.extents[lo[i] : hi[i]] for i in items]
         bounds = np.zeros(len(picked) + 1, np.int64)
@@ -174,15 +244,22 @@ class StepTable(Sequence):
                 "this arena's catalog"
             )
 
-    def extents_of(self, item: int) -> np.ndarray:
-        """int64 [k, 2]: item ``item``'s extents (a view)."""
+    def extents_of(self, item: int) -> np.ndarray | Extents:
+        """Item ``item``'s extents: an int64 [k, 2] view of the arrays, or its pairs as
+        given to :meth:`of_pairs` (no arrays made for them)."""
+        if self.pairs is not None:
+            return self.pairs[item]
         return self.extents[self.bounds[item] : self.bounds[item + 1]]
 
     @property
     def num_extents(self) -> int:
+        if self.pairs is not None:
+            return sum(map(len, self.pairs))
         return len(self.extents)
 
     def __len__(self) -> int:
+        if self.pairs is not None:
+            return len(self.pairs)
         return len(self.bounds) - 1
 
     def __getitem__(self, item):
@@ -192,6 +269,8 @@ class StepTable(Sequence):
             item += len(self)
         if not 0 <= item < len(self):
             raise IndexError(f"item {item} of a step table of {len(self)} items")
+        if self.pairs is not None:
+            return list(map(tuple, self.pairs[item]))
         return list(map(tuple, self.extents_of(item).tolist()))
 
     def __eq__(self, other: object) -> bool:
@@ -214,7 +293,8 @@ class StepTable(Sequence):
             raise PlanError(
                 f"a pickled StepTable holds (extents, bounds), got {type(state).__name__}"
             ) from None
-        self.extents, self.bounds = step_arrays(extents, bounds)
+        self._extents, self._bounds = step_arrays(extents, bounds)
+        self.pairs = None
 
     def __repr__(self) -> str:
         return f"StepTable({len(self)} items, {self.num_extents} extents)"

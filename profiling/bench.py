@@ -47,6 +47,7 @@ from ..engine.base.sizes import format_bytes
 from ..engine.transfer import BlockMover
 from ..kernels import PACK_CONFIG, UNPACK_CONFIG, LaunchConfig, plan_batch
 from ..kernels.block_copy import launch_block_copy
+from ..kernels.step_table import StepTable
 
 STEP_ROWS = [
     256,
@@ -336,8 +337,8 @@ class Bench:
         for label, block, shuffle in layouts:
             if block % self.unit:
                 continue
-            tables = self.tables(block, shuffle, seed=3)
-            extents = sum(len(t) for t in tables)
+            tables = StepTable.of_pairs(self.tables(block, shuffle, seed=3))
+            extents = tables.num_extents
             self.add(group, f"{label}, engine call", "save", self.step_bytes,
                      lambda tb=tables: self.mover.save(self.items, tb),
                      check=lambda tb=tables: self.check_round_trip(tb), extents=extents,
@@ -366,7 +367,7 @@ class Bench:
         return prebuilt_launch(sources, tables, self.arena.device_view(self.device), self.unit,
                                config, to_arena=to_arena, stream=self.side)  # fmt: skip
 
-    def check_round_trip(self, tables) -> None:
+    def check_round_trip(self, tables: StepTable) -> None:
         outputs, done = self.mover.load(tables, [(t.dtype, tuple(t.shape)) for t in self.items])
         done.wait()
         self.sync()
@@ -378,7 +379,7 @@ class Bench:
         rows = 256 if self.cuda else 16
         item = self.items[0][:rows].contiguous()
         n = item.numel() * 2
-        table = [[(0, -(-n // self.unit))]]
+        table = StepTable.of_pairs([[(0, -(-n // self.unit))]])
         spec = [(item.dtype, tuple(item.shape))]
         path = self.mover.path
         self.add("one item", f"{rows} rows, ecoffload save ({path} path)", "save", n,
@@ -421,7 +422,7 @@ class Bench:
         """Host time of one 16-item save call (plan, table upload, launch), not waited for."""
         for label, block, shuffle in (("contiguous", BIG_BLOCK, False),
                                       ("shuffled 64 KiB blocks", BIG_BLOCK, True)):  # fmt: skip
-            tables = self.tables(block, shuffle, seed=4)
+            tables = StepTable.of_pairs(self.tables(block, shuffle, seed=4))
             times = []
             for i in range(5 + (50 if self.cuda else 10)):
                 self.sync()

@@ -39,6 +39,7 @@ from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.connector.stats import ECOffloadStats
 from ecoffload.engine.arena.arena import Arena
 from ecoffload.engine.base.errors import ArenaError, ConfigError
+from ecoffload.kernels.step_table import StepTable
 
 
 @pytest.fixture
@@ -308,7 +309,9 @@ def test_consumer_role_loads_but_never_saves(arena_dir, model_config):
     try:
         src = encoder_output(8, 3)
         entry = sched.side.catalog.reserve("cached", src.nbytes, "bfloat16", tuple(src.shape))
-        worker.side.mover.save([src], [entry.extents]).wait()  # put bytes in the shared arena
+        worker.side.mover.save(
+            [src], StepTable.of_pairs([entry.extents])
+        ).wait()  # put bytes in the shared arena
         sched.side.catalog.commit("cached")
         schedule(sched, make_request("r", [("cached", 8), ("new", 8)]))
         meta = sched.build_connector_meta(SchedulerOutput.make_empty())

@@ -30,6 +30,7 @@ from ecoffload.connector import compat
 from ecoffload.connector.stats import COUNTERS, GAUGES, WORKER_COUNTERS
 from ecoffload.engine.catalog.catalog import ItemState
 from ecoffload.engine.transfer import Completion
+from ecoffload.kernels.step_table import StepTable
 
 
 def use_runner(monkeypatch, kind):
@@ -103,7 +104,7 @@ def test_ec_consumer_loads_and_never_saves(instance, runner):
     sched, worker = instance("ec_consumer", runner)
     src = encoder_output(8, 3)
     entry = sched.side.catalog.reserve("cached", src.nbytes, "bfloat16", tuple(src.shape))
-    worker.connector.side.mover.save([src], [entry.extents]).wait()
+    worker.connector.side.mover.save([src], StepTable.of_pairs([entry.extents])).wait()
     sched.side.catalog.commit("cached")
     schedule(sched, make_request("r", [("cached", 8), ("new", 8)]))
     meta = sched.build_connector_meta(SchedulerOutput.make_empty())

@@ -21,6 +21,7 @@ from ecoffload.kernels import (
     unpack,
 )
 from ecoffload.kernels.block_copy import _block_copy_kernel
+from ecoffload.kernels.step_table import StepTable
 
 pytestmark = pytest.mark.gpu
 B = 4096
@@ -91,7 +92,7 @@ def test_round_trip_through_registered_arena(arena, shuffle, seed):
 
 def test_load_is_ordered_before_the_next_kernel_on_the_callers_stream(arena):
     mover = BlockMover(arena, "cuda")
-    table = [[(0, 256)]]  # 1 MiB
+    table = StepTable.of_pairs([[(0, 256)]])  # 1 MiB
     for i in range(20):
         src = torch.full((256 * B // 4,), float(i), device="cuda")
         mover.save([src], table).wait()
@@ -105,7 +106,7 @@ def test_save_waits_for_the_producer_on_the_callers_stream(arena):
     a = torch.randn(512, 512, device="cuda")  # 1 MiB: 256 of the 1024 blocks
     for i in range(5):
         src = (a @ a).mul_(0).add_(i)  # produced by kernels still in flight
-        mover.save([src], [[(0, src.nbytes // B)]]).wait()
+        mover.save([src], StepTable.of_pairs([[(0, src.nbytes // B)]])).wait()
         assert (arena.host[: src.nbytes].view(torch.float32) == i).all()
 
 
@@ -155,7 +156,7 @@ def test_no_kernel_compiles_after_the_movers_warm_up(arena):
     for start in (0, 1, 2, 3, 4, 6, 8, 12, 16):  # every access width, any base alignment
         for count in (1, 2, 16, 17, 40):  # segment counts Triton would have specialised
             items = [storage[start + 1100 * i : start + 1100 * i + 1000] for i in range(count)]
-            tables = [[(i, 1)] for i in range(count)]
+            tables = StepTable.of_pairs([[(i, 1)] for i in range(count)])
             mover.save(items, tables).wait()
             outputs, done = mover.load(tables, [(torch.uint8, (1000,))] * count)
             done.wait()
@@ -193,7 +194,7 @@ def test_save_and_load_return_to_the_host_behind_queued_compute_and_loads_overla
     memory, a save only orders itself after the producer, a load after nothing."""
     mover = BlockMover(arena, "cuda")
     src = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
-    tables = [[(0, 128)]]
+    tables = StepTable.of_pairs([[(0, 128)]])
     mover.save([src], tables).wait()  # warm: compiled, pools filled
     a = torch.randn(4096, 4096, device="cuda")
     compute_done = torch.cuda.Event()

@@ -11,6 +11,7 @@ from ecoffload.engine.arena.arena import Arena
 from ecoffload.engine.base.errors import ItemStateError
 from ecoffload.engine.catalog.catalog import ItemState
 from ecoffload.engine.transfer import BlockMover
+from ecoffload.kernels.step_table import StepTable
 
 B = 4096
 
@@ -124,8 +125,8 @@ def test_mover_save_and_load_directly(arena_dir):
     with OffloadCache.create("m", arena_bytes=16 * B, block_bytes=B, directory=arena_dir) as c:
         mover = BlockMover(c.arena)
         src = torch.arange(3000, dtype=torch.int32)
-        mover.save([src], [[(3, 3)]]).wait()
-        (out,), done = mover.load([[(3, 3)]], [(torch.int32, (3000,))])
+        mover.save([src], StepTable.of_pairs([[(3, 3)]])).wait()
+        (out,), done = mover.load(StepTable.of_pairs([[(3, 3)]]), [(torch.int32, (3000,))])
         done.wait()
         assert done.done() and torch.equal(out, src)
 
@@ -135,9 +136,9 @@ def test_a_mover_refuses_a_closed_arena_by_name(arena_dir):
     mover, path = BlockMover(arena), arena.path
     arena.close()
     with pytest.raises(ValueError, match=re.escape(f"{path} is closed")):
-        mover.save([torch.zeros(B, dtype=torch.uint8)], [[(0, 1)]])
+        mover.save([torch.zeros(B, dtype=torch.uint8)], StepTable.of_pairs([[(0, 1)]]))
     with pytest.raises(ValueError, match=re.escape(f"{path} is closed")):
-        mover.load([[(0, 1)]], [(torch.uint8, (B,))])
+        mover.load(StepTable.of_pairs([[(0, 1)]]), [(torch.uint8, (B,))])
 
 
 @pytest.mark.parametrize("integrity", [True, False], ids=["integrity-on", "integrity-off"])

@@ -17,6 +17,7 @@ import torch
 
 from ecoffload.engine import transfer
 from ecoffload.engine.arena.arena import Arena
+from ecoffload.kernels.step_table import StepTable
 
 B = 4096
 
@@ -130,7 +131,7 @@ def test_save_runs_after_the_caller_s_queued_work_on_the_copy_stream(cuda):
     fake, mover = cuda
     src = torch.arange(B, dtype=torch.int32)
     want = src.clone()
-    done = mover.save([src], [[(1, 4)]])
+    done = mover.save([src], StepTable.of_pairs([[(1, 4)]]))
     fence = mover._fence.name
     assert fake.log == [
         ("record", fence, "caller"),  # the producer's work so far...
@@ -145,7 +146,7 @@ def test_save_runs_after_the_caller_s_queued_work_on_the_copy_stream(cuda):
 def test_save_keeps_its_sources_alive_until_the_copy_completes(cuda):
     _, mover = cuda
     src = torch.zeros(B, dtype=torch.uint8)
-    done = mover.save([src], [[(0, 1)]])
+    done = mover.save([src], StepTable.of_pairs([[(0, 1)]]))
     assert done._keep_alive == [src]  # the caller may drop its reference now
     assert not done.done() and done._keep_alive == [src]
     done._event.complete = True
@@ -155,7 +156,7 @@ def test_save_keeps_its_sources_alive_until_the_copy_completes(cuda):
 def test_load_does_not_wait_for_queued_compute_and_the_caller_waits_for_it(cuda):
     fake, mover = cuda
     mover.arena.host[:B].copy_(torch.arange(B, dtype=torch.uint8))
-    (out,), done = mover.load([[(0, 1)]], [(torch.uint8, (B,))])
+    (out,), done = mover.load(StepTable.of_pairs([[(0, 1)]]), [(torch.uint8, (B,))])
     event = done._event.name
     assert fake.log == [
         ("alloc", "copy"),  # memory of the copy stream: free without waiting for the caller
@@ -170,27 +171,27 @@ def test_load_does_not_wait_for_queued_compute_and_the_caller_waits_for_it(cuda)
 
 def test_events_are_reused_once_their_copy_was_seen_complete(cuda):
     fake, mover = cuda
-    first = mover.save([torch.zeros(B, dtype=torch.uint8)], [[(0, 1)]])
+    first = mover.save([torch.zeros(B, dtype=torch.uint8)], StepTable.of_pairs([[(0, 1)]]))
     event = first._event
-    second = mover.save([torch.zeros(B, dtype=torch.uint8)], [[(1, 1)]])
+    second = mover.save([torch.zeros(B, dtype=torch.uint8)], StepTable.of_pairs([[(1, 1)]]))
     assert second._event is not event  # the first is still in flight
     event.complete = True
     assert first.done()
-    _, third = mover.load([[(0, 1)]], [(torch.uint8, (B,))])
+    _, third = mover.load(StepTable.of_pairs([[(0, 1)]]), [(torch.uint8, (B,))])
     assert third._event is event  # back from the pool
     created = len(fake.events)
     for _ in range(5):
         third._event.complete = True
         third.wait()
-        _, third = mover.load([[(0, 1)]], [(torch.uint8, (B,))])
+        _, third = mover.load(StepTable.of_pairs([[(0, 1)]]), [(torch.uint8, (B,))])
     assert len(fake.events) == created  # a steady stream of copies creates no events
 
 
 def test_saves_and_loads_are_named_ranges_on_the_nsight_timeline(cuda, nvtx_timeline):
     _, mover = cuda
     timeline = nvtx_timeline
-    mover.save([torch.zeros(B, dtype=torch.uint8)], [[(0, 1)]])
-    mover.load([[(0, 1)]], [(torch.uint8, (B,))])
+    mover.save([torch.zeros(B, dtype=torch.uint8)], StepTable.of_pairs([[(0, 1)]]))
+    mover.load(StepTable.of_pairs([[(0, 1)]]), [(torch.uint8, (B,))])
     assert timeline == ["ecoffload.save", "ecoffload.pack", "end", "end",  # the launch inside
                         "ecoffload.load", "ecoffload.unpack", "end", "end"]  # fmt: skip
 
@@ -220,8 +221,8 @@ def test_without_a_registered_arena_a_cuda_mover_copies_by_reference_through_hos
     assert mover.path == "reference"
     spy = Spy(monkeypatch, {"host": mover.arena.host})
     src = torch.arange(2 * B, dtype=torch.int16).view(torch.uint8)[: B + 3].clone()
-    mover.save([src], [[(2, 2)]])
-    (out,), _ = mover.load([[(2, 2)]], [(torch.uint8, (B + 3,))])
+    mover.save([src], StepTable.of_pairs([[(2, 2)]]))
+    (out,), _ = mover.load(StepTable.of_pairs([[(2, 2)]]), [(torch.uint8, (B + 3,))])
     assert torch.equal(out, src)
     assert spy.calls == [("pack", "host", "reference", transfer.PACK_CONFIG),
                          ("unpack", "host", "reference", transfer.UNPACK_CONFIG)]  # fmt: skip
@@ -264,7 +265,9 @@ def test_a_registered_arena_is_copied_through_its_device_alias_with_the_mover_s_
     g = torch.Generator().manual_seed(3)
     items = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
              for n in (2 * B - 7, B, B + 1)]  # fmt: skip
-    tables = [[(1, 2)], [(9, 1)], [(6, 1), (12, 1)]]  # the last two touch the failed chunk
+    tables = StepTable.of_pairs(
+        [[(1, 2)], [(9, 1)], [(6, 1), (12, 1)]]
+    )  # the last two touch the failed chunk
     mover.save(items, tables)
     assert spy.calls == [("pack", "host", "reference", None),  # the host fallback: reference
                          ("pack", "alias", "auto", save_config)]  # fmt: skip

@@ -25,8 +25,17 @@ ROWS_GAPS = [(torch.bfloat16, (3, 64)), (torch.bfloat16, (1, 64)), (torch.bfloat
 FLAT = [(torch.bfloat16, (7,)), (torch.bfloat16, (300,)), (torch.bfloat16, (0,)),
         (torch.bfloat16, (128,))]  # fmt: skip
 ODD_ROWS = [(torch.float16, (3, 5)), (torch.float16, (2, 5))]  # 256-byte gaps: not whole rows
+OTHER_ROWS = [(torch.float32, (3, 4)), (torch.float32, (2, 5))]  # rows of two widths
+EMPTY_ROWS = [(torch.float32, (3, 0)), (torch.float32, (2, 0)), (torch.float32, (4, 0))]
 CASES = {"one-dtype": SAME, "mixed-dtypes": MIXED, "rows": ROWS, "rows-and-gaps": ROWS_GAPS,
-         "one-dim": FLAT, "odd-rows": ODD_ROWS}  # fmt: skip
+         "one-dim": FLAT, "odd-rows": ODD_ROWS, "other-rows": OTHER_ROWS,
+         "empty-rows": EMPTY_ROWS}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def no_cached_layouts():
+    """Each test lays its specs out afresh (layouts are cached per process)."""
+    items._cached_layout.cache_clear()
 
 
 @pytest.mark.parametrize("specs", CASES.values(), ids=CASES.keys())
@@ -99,6 +108,13 @@ def test_shapes_given_as_lists_are_laid_out_like_tuples():
     views, want = empty_items(as_lists, "cpu"), empty_items(ROWS_GAPS, "cpu")
     assert views.offsets == want.offsets and views.nbytes == want.nbytes
     assert [v.shape for v in views] == [w.shape for w in want]
+
+
+@pytest.mark.parametrize("specs", CASES.values(), ids=CASES.keys())
+def test_the_buffer_and_every_view_are_on_the_device_asked_for(specs):
+    views = empty_items(specs, "meta")
+    assert views.buffer.device.type == "meta"
+    assert all(v.device.type == "meta" for v in views)
 
 
 def test_item_views_on_another_device_are_refused_by_their_buffer():

@@ -443,6 +443,20 @@ def test_an_item_views_buffer_of_a_subclass_is_copied_through_a_plain_view():
     assert_poison_intact(buf, 2 * B)
 
 
+def test_an_item_views_buffer_is_the_launch_base_as_it_is_unless_a_subclass():
+    """The decision, whatever the backend: a plain buffer is the base itself (no view
+    made, no Python per step); a subclass's buffer is replaced by a plain view of it,
+    whose address no ``__torch_function__`` can answer."""
+    arena = torch.zeros(4 * B, dtype=torch.uint8)
+    data = torch.zeros(2 * B, dtype=torch.uint8)
+    plain = ItemViews([data[:B], data[B:]], data, [0, B], [B, B])
+    base, _ = plan_batch(plain, [[(2, 1)], [(0, 1)]], arena, B)
+    assert base is data
+    sub = ItemViews([data[:B], data[B:]], data.as_subclass(Honest), [0, B], [B, B])
+    base, _ = plan_batch(sub, [[(2, 1)], [(0, 1)]], arena, B)
+    assert type(base) is torch.Tensor and base.data_ptr() == data.data_ptr()
+
+
 # --- plan_reach: a hand-made plan's table, number by number ----------------------------
 
 

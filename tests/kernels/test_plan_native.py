@@ -351,8 +351,8 @@ def test_nothing_compiles_or_writes_at_run_time(undecided, monkeypatch, arena_di
     with Arena.create("native", block_bytes=4096, num_blocks=8, directory=arena_dir) as arena:
         mover = BlockMover(arena, "cpu")
         assert native._loaded["module"] is not None  # loaded by the mover's start
-        mover.save([torch.arange(3000, dtype=torch.int16)], [[(2, 2)]]).wait()
-        outputs, done = mover.load([[(2, 2)]], [(torch.int16, (3000,))])
+        mover.save([torch.arange(3000, dtype=torch.int16)], StepTable.of_pairs([[(2, 2)]])).wait()
+        outputs, done = mover.load(StepTable.of_pairs([[(2, 2)]]), [(torch.int16, (3000,))])
         done.wait()
         assert torch.equal(outputs[0], torch.arange(3000, dtype=torch.int16))
 

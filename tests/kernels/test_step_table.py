@@ -110,6 +110,135 @@ def test_a_step_of_catalog_entries_is_their_extents_concatenated():
         entries[0].extent_array[0, 0] = 7
 
 
+# --- a table of pairs (of_pairs): the same table, its arrays made only when asked -------
+
+
+def test_a_table_of_pairs_reads_as_the_arrays_would_without_making_them():
+    pairs = [list(t) for t in TABLES]
+    step = StepTable.of_pairs(pairs)
+    arrays = StepTable.from_tables(TABLES)
+    assert step.pairs is pairs  # kept as given, not copied
+    assert len(step) == 4 and step.num_extents == 5
+    assert [step[i] for i in range(4)] == TABLES == list(step)
+    assert step[-1] == [(12, 1)] and step[1:3] == TABLES[1:3]
+    with pytest.raises(IndexError, match="item 4 of a step table of 4 items"):
+        step[4]
+    assert step.extents_of(2) is pairs[2]  # an item's pairs, no array
+    assert list(step.select([3, 0])) == [TABLES[3], TABLES[0]]
+    assert step.select([3, 0]).pairs == [pairs[3], pairs[0]]  # still pairs
+    assert step.select(range(4)) is step
+    assert step.pairs is pairs  # none of the above made arrays
+    assert step == arrays and step.pairs is None  # comparing does (the arrays compare)
+    assert step.extents.tolist() == arrays.extents.tolist()
+    assert step.bounds.tolist() == arrays.bounds.tolist()
+    assert repr(StepTable.of_pairs(iter(TABLES))) == "StepTable(4 items, 5 extents)"
+
+
+def test_a_table_of_pairs_makes_its_arrays_when_asked_and_holds_them_from_then_on():
+    for ask in ("extents", "bounds", "pickle", "check", "set extents", "set bounds"):
+        step = StepTable.of_pairs([list(t) for t in TABLES])
+        if ask == "pickle":
+            got = pickle.loads(pickle.dumps(step))
+            assert got.pairs is None and got == StepTable.from_tables(TABLES)
+        elif ask == "check":
+            step.check(16)
+        elif ask.startswith("set"):  # the other array is made first: the pair stays whole
+            other = step.bounds.copy() if ask == "set extents" else step.extents.copy()
+            step = StepTable.of_pairs([list(t) for t in TABLES])
+            setattr(step, ask[4:], getattr(StepTable.from_tables(TABLES), ask[4:]).copy())
+            assert (step.bounds if ask == "set extents" else step.extents).tolist() == (
+                other.tolist()
+            )
+        else:
+            getattr(step, ask)
+        assert step.pairs is None, ask
+        assert list(step) == TABLES, ask
+    with pytest.raises(PlanError, match="block tables must hold \\(start, count\\) pairs"):
+        _ = StepTable.of_pairs([[(1, "x")]]).extents
+
+
+def test_a_table_of_pairs_is_refused_where_it_leaves_the_arena():
+    """Checked when asked (the worker's check makes the arrays, then checks them)."""
+    with pytest.raises(PlanError, match=r"extent 1 \(16, 1\) of a step table is not inside"):
+        StepTable.of_pairs([[(0, 1), (16, 1)]]).check(16)
+
+
+@pytest.mark.parametrize("c_pass", [True, False], ids=["c-pass", "python"])
+def test_the_planner_plans_a_table_of_pairs_as_pairs(monkeypatch, c_pass):
+    """No arrays made for a table of pairs: the C pass reads the pairs (``plan``, never
+    ``plan_step``), the Python passes plan them as per-item pairs; the plan is the one
+    the arrays get."""
+    module = native.planner()
+    if c_pass and module is None:
+        pytest.skip("the planner's C pass is not built on this host")
+    calls = []
+
+    class Counted:
+        def __getattr__(self, name):  # item_layout, check_step: the module's own
+            return getattr(module, name)
+
+        def plan(self, *args):
+            calls.append("plan")
+            return module.plan(*args)
+
+        def plan_step(self, *args):
+            calls.append("plan_step")
+            return module.plan_step(*args)
+
+    monkeypatch.setattr(native, "planner", (lambda: Counted()) if c_pass else (lambda: None))
+    kw = dict(block_bytes=4096, arena_bytes=16 * 4096, items_bytes=9 * 4096, tile_bytes=4096)
+    offsets, sizes = [0, 2 * 4096, 2 * 4096, 7 * 4096], [2 * 4096, 0, 5 * 4096, 4096]
+    step = StepTable.of_pairs([list(t) for t in TABLES])
+    got = plan_copy(offsets, sizes, step, **kw)
+    assert step.pairs is not None  # planned without arrays
+    want = plan_copy(offsets, sizes, StepTable.from_tables(TABLES), **kw)
+    assert got.table.tolist() == want.table.tolist() and got[1:] == want[1:]
+    assert calls == (["plan", "plan_step"] if c_pass else [])
+
+
+HOSTILE_PAIRS = [[[(0, 2)], [(1, 1)]], [[(0, 2)], [(20, 1)]], [[(0, 2)], [(3, -1)]],
+                 [[(0, 2)], [(3, "1")]], [[(0, 2)], [(3.0, 1)]], [[(0, 2)], [(3, 1, 0)]],
+                 [[(0, 2)], [3]], [[(0, 2)]], [[(0, 2)], [(2, 1)], []]]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", HOSTILE_PAIRS)
+def test_a_hostile_table_of_pairs_is_refused_before_any_copy(bad):
+    """Overlapping, outside the arena, a negative count, no integer, no pair, too few
+    or too many items: PlanError (the loop planner names it), the arena untouched."""
+    from ecoffload.kernels import pack
+
+    arena = torch.full((16 * 4096,), 0xA5, dtype=torch.uint8)
+    sources = [torch.ones(2 * 4096, dtype=torch.uint8), torch.ones(4096, dtype=torch.uint8)]
+    with pytest.raises(PlanError):
+        pack(sources, StepTable.of_pairs(bad), arena, 4096, backend="reference")
+    assert bool((arena == 0xA5).all())
+
+
+def test_a_mover_takes_one_step_table_and_names_how_to_make_one(tmp_path):
+    """The one block-table type past the catalogs: per-item pairs are refused at the
+    mover's door with the constructor to use, before any copy."""
+    from ecoffload.engine.arena.arena import Arena
+    from ecoffload.engine.transfer import BlockMover
+
+    arena = Arena.create("one-type", block_bytes=4096, num_blocks=4, directory=tmp_path,
+                         processes=1, register_cuda="never")  # fmt: skip
+    try:
+        mover = BlockMover(arena, "cpu")
+        item = torch.ones(4096, dtype=torch.uint8)
+        for call in (lambda: mover.save([item], [[(0, 1)]]),
+                     lambda: mover.load([[(0, 1)]], [(torch.uint8, (4096,))])):  # fmt: skip
+            with pytest.raises(TypeError, match=r"one StepTable per step, got list: make one "
+                                                r"with StepTable\.of_pairs"):  # fmt: skip
+                call()
+        assert not arena.host_tensor().any()
+        mover.save([item], StepTable.of_pairs([[(1, 1)]])).wait()
+        (out,), done = mover.load(StepTable.of_pairs([[(1, 1)]]), [(torch.uint8, (4096,))])
+        done.wait()
+        assert torch.equal(out, item)
+    finally:
+        arena.close()
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_save_s_fresh_reservations_get_one_pass_and_a_load_s_entries_keep_their_arrays(
     tmp_path, shared, monkeypatch
@@ -136,16 +265,16 @@ def test_a_save_s_fresh_reservations_get_one_pass_and_a_load_s_entries_keep_thei
 
     monkeypatch.setattr(native, "planner", object)  # a C pass loaded: it reads the lists
     saved = step_tables(entries, fresh=True)
-    assert saved == [e.extents for e in entries] and all(
-        s is e.extents for s, e in zip(saved, entries, strict=True))  # fmt: skip
+    assert isinstance(saved, StepTable) and saved.pairs is not None and all(
+        s is e.extents for s, e in zip(saved.pairs, entries, strict=True))  # fmt: skip
     monkeypatch.setattr(native, "planner", lambda: None)  # no C pass: the numpy pass's table
     saved = step_tables(entries, fresh=True)
-    assert isinstance(saved, StepTable) and list(saved) == want
+    assert isinstance(saved, StepTable) and saved.pairs is None and list(saved) == want
     monkeypatch.undo()
     assert not any("extent_array" in vars(e) for e in entries)  # no array made per entry
 
     loaded = step_tables(entries)
-    assert isinstance(loaded, StepTable) and list(loaded) == want
+    assert isinstance(loaded, StepTable) and loaded.pairs is None and list(loaded) == want
     kept = [vars(e)["extent_array"] for e in entries]  # made by that step, kept by each entry
     assert [a.tolist() for a in kept] == [[list(x) for x in w] for w in want]
     assert step_tables(entries) == loaded

@@ -398,11 +398,11 @@ def test_a_failed_chunk_stays_host_only_with_one_warning(arena_dir, fake_cupy, m
     assert runtime.registered == {}
 
 
-@pytest.mark.parametrize("as_step_table", [False, True], ids=["extent-lists", "step-table"])
+@pytest.mark.parametrize("as_step_table", [False, True], ids=["pairs", "arrays"])
 def test_mover_copies_unregistered_blocks_through_host_memory(
     arena_dir, fake_cupy, monkeypatch, as_step_table
 ):
-    # a step's tables come as the catalogs' extent lists or as one StepTable (the connector's)
+    # a step table over the catalogs' extent lists (of_pairs) or over arrays (the connector's)
     fake_cupy(fail_offsets={CHUNK})
     monkeypatch.setattr(populate_mod, "POPULATE_CHUNK", CHUNK)
     monkeypatch.setattr(registration_mod, "REGISTER_SPAN", CHUNK)
@@ -419,13 +419,15 @@ def test_mover_copies_unregistered_blocks_through_host_memory(
         mover = BlockMover(a, "cpu")
         items = [torch.full((B + 5,), i + 1, dtype=torch.uint8) for i in range(3)]
         tables = [[(0, 2)], [(4, 2)], [(8, 1), (13, 1)]]  # the middle one is in the bad chunk
-        mover.save(items, StepTable.from_tables(tables) if as_step_table else tables)
+        mover.save(
+            items, StepTable.from_tables(tables) if as_step_table else StepTable.of_pairs(tables)
+        )
         host = [t for backend, t in backends if backend == "reference"]
         assert host == [[[(4, 2)]]]
         assert [t for backend, t in backends if backend != "reference"] == [
             [[(0, 2)], [(8, 1), (13, 1)]]
         ]
-        loads = StepTable.from_tables(tables) if as_step_table else tables
+        loads = StepTable.from_tables(tables) if as_step_table else StepTable.of_pairs(tables)
         outputs, _ = mover.load(loads, [(torch.uint8, (B + 5,))] * 3)
         for got, want in zip(outputs, items, strict=True):
             assert torch.equal(got, want)
@@ -538,7 +540,7 @@ def test_no_device_alias_means_host_copies_and_one_warning(
             a.device_view(torch.device("cpu"))
         item = torch.arange(B, dtype=torch.int32).view(torch.uint8)[:B]
         mover = BlockMover(a, "cpu")
-        mover.save([item], [[(3, 1)]])
+        mover.save([item], StepTable.of_pairs([[(3, 1)]]))
         assert torch.equal(a.host[3 * B : 4 * B], item)
     warnings = [r.getMessage() for r in caplog.records if "registration" in r.msg]
     assert len(warnings) == 1 and "no device alias" in warnings[0]
