@@ -292,6 +292,14 @@ MODULES: dict[str, list[str]] = {
         f"{ARENA_TESTS}/test_arena_startup.py::test_mover_copies_unregistered_blocks_through_host_memory",
         f"{ARENA_TESTS}/test_arena_startup.py::test_no_device_alias_means_host_copies_and_one_warning",
         "tests/kernels/test_kernel_variants.py::test_a_cuda_mover_warms_up_when_it_is_created",
+        "tests/kernels/test_step_table.py::test_a_mover_takes_one_step_table_and_names_how_to_make_one",
+    ],
+    # OffloadCache: the whole engine in one process, and the tables it hands its mover
+    "engine/cache.py": [
+        "tests/engine/test_cache.py",
+        "tests/engine/test_integrity.py",
+        "tests/kernels/test_step_table.py",
+        "tests/kernels/test_fast_pass.py",
     ],
     # the scheduler's cluster tier too (issue 29: its admission, hold and publish paths)
     "connector/scheduler_side.py": [
