@@ -82,7 +82,10 @@ def plan_items(
 ) -> StepPlan:
     """The layout of ``tensors`` and the plan of one launch over them and ``arena``;
     validates everything (PlanError naming the first fault). Both passes in C on the
-    usual step (one layout, one plan, no Python per tensor or extent)."""
+    usual step (one layout, or an :class:`ItemViews`' own, and one plan: no Python per
+    tensor or extent); where the C pass declines, :func:`plan_copy` (which names what
+    is wrong)."""
+    c_pass = native.planner()
     if isinstance(tensors, ItemViews):  # one buffer: its layout is known
         base, offsets, nbytes = tensors.buffer, tensors.offsets, tensors.nbytes
         span = byte_size(base, "the ItemViews' buffer")
@@ -90,20 +93,18 @@ def plan_items(
             base = plain_byte_view(base)
     else:
         tensors = list(tensors)
-        c_pass = native.planner()
         found = c_pass.item_layout(tensors) if c_pass is not None else None
         if found is None:  # the long way, which names what is wrong
             base, offsets, nbytes, span = python_item_layout(tensors)
         else:
             lowest, offsets, nbytes, span = found
             base = byte_view_of(tensors[lowest]) if lowest >= 0 else None
-            if config.dma_min_bytes is None:  # the usual step: both passes in C
-                plan = plan_in_c(c_pass, offsets, nbytes, tables, block_bytes, arena.numel(),
-                                 span, config.tile_bytes,
-                                 base.data_ptr() if base is not None else 0, arena.data_ptr(),
-                                 config.num_programs)  # fmt: skip
-                if plan is not None:
-                    return StepPlan(base, offsets, plan)
+    if c_pass is not None and config.dma_min_bytes is None:  # the usual step: planned in C
+        plan = plan_in_c(c_pass, offsets, nbytes, tables, block_bytes, arena.numel(), span,
+                         config.tile_bytes, base.data_ptr() if base is not None else 0,
+                         arena.data_ptr(), config.num_programs)  # fmt: skip
+        if plan is not None:
+            return StepPlan(base, offsets, plan)
     plan = plan_copy(
         offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
         items_bytes=span, tile_bytes=config.tile_bytes, num_programs=config.num_programs,
