@@ -27,9 +27,10 @@ FLAT = [(torch.bfloat16, (7,)), (torch.bfloat16, (300,)), (torch.bfloat16, (0,))
 ODD_ROWS = [(torch.float16, (3, 5)), (torch.float16, (2, 5))]  # 256-byte gaps: not whole rows
 OTHER_ROWS = [(torch.float32, (3, 4)), (torch.float32, (2, 5))]  # rows of two widths
 EMPTY_ROWS = [(torch.float32, (3, 0)), (torch.float32, (2, 0)), (torch.float32, (4, 0))]
+STRIDED = [(torch.float32, (2, 3, 4)), (torch.float32, (3, 1)), (torch.float32, (5,))]  # views
 CASES = {"one-dtype": SAME, "mixed-dtypes": MIXED, "rows": ROWS, "rows-and-gaps": ROWS_GAPS,
          "one-dim": FLAT, "odd-rows": ODD_ROWS, "other-rows": OTHER_ROWS,
-         "empty-rows": EMPTY_ROWS}  # fmt: skip
+         "empty-rows": EMPTY_ROWS, "three-dims-and-unit-rows": STRIDED}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

@@ -479,3 +479,39 @@ def test_usual_arrays_are_checked_by_the_c_pass_alone(monkeypatch):
     table.check(16)
     with pytest.raises(PlanError, match=r"extent 4 \(12, 1\) of a step table is not inside"):
         table.check(12)
+
+
+def test_tables_with_the_same_extents_cut_into_other_items_differ():
+    one_item = StepTable.from_tables([[(0, 1), (1, 1)]])
+    two_items = StepTable.from_tables([[(0, 1)], [(1, 1)]])
+    assert one_item.extents.tolist() == two_items.extents.tolist()
+    assert one_item != two_items and StepTable.of_pairs([[(0, 1)], [(1, 1)]]) == two_items
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_step_of_fewer_extents_than_step_table_from_keeps_its_pairs(fresh, monkeypatch):
+    """From ``STEP_TABLE_FROM`` extents a load's step gets arrays (a fresh save's, only
+    without the C pass); below it, the entries' pairs as they are."""
+    from ecoffload.engine.cache import STEP_TABLE_FROM, step_tables
+    from ecoffload.engine.catalog.allocator import BlockAllocator
+    from ecoffload.engine.catalog.catalog import Catalog
+
+    monkeypatch.setattr(native, "planner", lambda: None)  # no C pass: a fresh save's arrays too
+    catalog = Catalog(BlockAllocator(4 * STEP_TABLE_FROM, 4096))
+    entries = [catalog.reserve(f"item-{i}", 4096) for i in range(STEP_TABLE_FROM)]
+    below = step_tables(entries[:-1], fresh=fresh)
+    assert below.pairs is not None and all(
+        p is e.extents for p, e in zip(below.pairs, entries, strict=False))  # fmt: skip
+    at = step_tables(entries, fresh=fresh)
+    assert at.pairs is None and at.num_extents == STEP_TABLE_FROM
+
+
+@pytest.mark.parametrize("extent", [(3, "1"), (3.0, 1), (3, 1, 0), 3], ids=repr)
+def test_an_extent_that_is_no_pair_of_integers_is_named(extent):
+    with pytest.raises(PlanError) as caught:
+        plan_copy([0, 4096], [4096, 4096], StepTable.of_pairs([[(0, 1)], [extent]]),
+                  block_bytes=4096, arena_bytes=8 * 4096, items_bytes=2 * 4096)  # fmt: skip
+    assert str(caught.value) == (
+        f"item 1: extent {extent!r} is not a (start, count) pair of integers; "
+        "block tables must come from this arena's allocator"
+    )
