@@ -66,6 +66,11 @@ class ItemLayout(NamedTuple):
     span: int  # bytes from ``base`` to the end of the highest item
 
 
+# A named tuple's own __new__ is a Python function; every step's record is made by the
+# C constructor it calls (``tuple.__new__(StepPlan, fields)``), in half the time.
+_step_plan = tuple.__new__
+
+
 def plans_pairs_in_c() -> bool:
     """Whether per-item tables of pairs are planned by the C pass (it reads a few tuples
     in less time than numpy takes to make arrays of them); without it, the numpy pass
@@ -104,7 +109,7 @@ def plan_items(
                          config.tile_bytes, base.data_ptr() if base is not None else 0,
                          arena.data_ptr(), config.num_programs)  # fmt: skip
         if plan is not None:
-            return StepPlan(base, offsets, plan)
+            return _step_plan(StepPlan, (base, offsets, plan))
     plan = plan_copy(
         offsets, nbytes, tables, block_bytes=block_bytes, arena_bytes=arena.numel(),
         items_bytes=span, tile_bytes=config.tile_bytes, num_programs=config.num_programs,

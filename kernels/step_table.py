@@ -119,9 +119,9 @@ class StepTable(Sequence):
         (not copied, not checked until planned: the planner checks every pair). For a
         step planned once in this process, such as a save's fresh reservations: the C
         pass reads a few pairs in less time than making arrays of them takes."""
-        table = cls.__new__(cls)
+        table = _new(cls)  # object.__new__ itself: of_pairs runs on every small step
         table._extents = table._bounds = None
-        table.pairs = tables if isinstance(tables, list | tuple) else list(tables)
+        table.pairs = tables if type(tables) is list else list(tables)
         return table
 
     @classmethod
@@ -300,6 +300,7 @@ class StepTable(Sequence):
         return f"StepTable({len(self)} items, {self.num_extents} extents)"
 
 
+_new = object.__new__
 _NO_EXTENTS = np.empty((0, 2), np.int64)
 _NO_BOUNDS = np.zeros(1, np.int64)
 _NO_EXTENTS.flags.writeable = _NO_BOUNDS.flags.writeable = False  # shared by every empty table
