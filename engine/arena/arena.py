@@ -112,7 +112,7 @@ class Arena(SharedLifetime, RegisteredArena):
         self.nonce = header.nonce
         self.meta_offset = HEADER_BYTES  # metadata region: [meta_offset, data offset)
         self.meta_bytes = header.data_offset - HEADER_BYTES
-        self._creator = (header.creator_pid, header.creator_start)
+        self._creator = ProcessId(header.creator_pid, header.creator_start)
         self.layout_key = bytes(mm[KEY_OFFSET : KEY_OFFSET + header.key_len]).decode()
         self.nbytes = header.block_bytes * header.num_blocks
         self._data_offset = header.data_offset

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from ..base.errors import ArenaError
+from ..base.liveness import ProcessId
 from .format import PopulateMode, RegisterMode
 from .populate import Populator
 
@@ -44,7 +45,7 @@ class ArenaState:
     meta_offset: int  # the metadata region (a shared catalog): [meta_offset, data offset)
     meta_bytes: int
     _data_offset: int
-    _creator: tuple[int, int]  # (pid, start time) of the creating process
+    _creator: ProcessId  # the creating process
     layout_key: str
     lifetime: int  # 0, or SHARED_LIFETIME | PERSISTENT (format.py)
     warm_started: bool  # open_shared found the file held by nobody

@@ -515,3 +515,10 @@ def test_an_extent_that_is_no_pair_of_integers_is_named(extent):
         f"item 1: extent {extent!r} is not a (start, count) pair of integers; "
         "block tables must come from this arena's allocator"
     )
+
+
+def test_concat_of_three_tables_offsets_each_one_s_items_past_all_before_it():
+    a, b, c = (StepTable.from_tables(t) for t in ([[(0, 1)], [(1, 2)]], [[(5, 1)]], [[(7, 1)]]))
+    joined = StepTable.concat([a, b, c])
+    assert list(joined) == [[(0, 1)], [(1, 2)], [(5, 1)], [(7, 1)]]
+    assert joined.bounds.tolist() == [0, 1, 2, 3, 4]

@@ -221,7 +221,7 @@ class SharedCatalog(
             w[H_ITEMS] += 1
             # What _snapshot would decode, without decoding it.
             entry = SharedEntry(key, extents, nbytes, dt_name, dims, slot=s, generation=gen,
-                                producer=(pid, start))  # fmt: skip
+                                producer=self._me)  # fmt: skip
             self._remember(key, entry)
         except BaseException as exc:
             self._exit(isinstance(exc, CatalogError))

@@ -31,6 +31,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ...base.errors import CatalogCapacityError, InvalidSizeError
+from ...base.liveness import ProcessId
 from ..catalog import Entry, ItemState
 
 MAGIC = int.from_bytes(b"ECOCAT\x00\x01", "little")
@@ -145,11 +146,11 @@ def layout_for(num_blocks, block_bytes, max_items, max_key_bytes, max_pins) -> L
 @dataclass
 class SharedEntry(Entry):
     """An :class:`Entry` snapshot, plus the reservation's slot and generation and
-    the process that reserved it (pid, start time): who produced the item."""
+    the process that reserved it: who produced the item."""
 
     slot: int = -1
     generation: int = 0
-    producer: tuple[int, int] = (0, 0)  # (pid, start time) of the reserving process
+    producer: ProcessId = ProcessId(0, 0)  # the reserving process
 
 
 def slot_dims(shape: tuple[int, ...]) -> tuple[int, ...]:

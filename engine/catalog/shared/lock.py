@@ -67,7 +67,8 @@ class LockProtocol(CatalogState):
     def _identify(self) -> None:
         """Who this process is (pid, start time), for dirty marks, pins and reservations:
         at open and again in a forked child (the mutex needs no new descriptor)."""
-        self._pid, self._start = ProcessId.of_this_process()
+        self._me = ProcessId.of_this_process()
+        self._pid, self._start = self._me
         fast = self.__dict__.get("_fast")  # bound after the layout is read
         if fast is not None:
             fast.identify(self._pid, self._start)

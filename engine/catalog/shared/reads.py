@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 
 from ...base.errors import ItemStateError, UnknownItemError
+from ...base.liveness import ProcessId
 from ..allocator import Extent, item_blocks
 from ..catalog import CatalogStats, ItemState
 from .format import (
@@ -148,7 +149,7 @@ class Reads(CatalogState):
                 self._corrupt(f"slot {s} holds a shape of {ndim} dimensions")
             shape = tuple(w[b + S_DIMS : b + S_DIMS + ndim])
             dtype = bytes(self._w[b + S_DTYPE : b + S_DTYPE + 2].cast("B")).rstrip(b"\0").decode()
-            producer = (w[b + S_PID], w[b + S_START])
+            producer = ProcessId(w[b + S_PID], w[b + S_START])
             entry = SharedEntry(key, extents, w[b + S_NBYTES], dtype, shape, slot=s,
                                 generation=gen, producer=producer)  # fmt: skip
             self._remember(key, entry)

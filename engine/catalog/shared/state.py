@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from ...base.errors import CatalogError
+from ...base.liveness import ProcessId
 from ..allocator import Extent
 from ..catalog import CatalogStats
 from .format import Layout, SharedEntry
@@ -62,7 +63,9 @@ class CatalogState:
     _ready_of: Callable[[], int] | None  # the arena's ready blocks (follow_ready)
     _data_at: tuple[int, int] | None  # (offset, bytes) of the arena's data in the file
     _fast: HitPath | None  # the C hits, pins and unpins (native.py), or None
-    # lock.py: this process, as recorded in dirty marks, pins and reservations
+    # lock.py: this process, as recorded in dirty marks, pins and reservations (_me), and
+    # its two words, as the hot paths write them
+    _me: ProcessId
     _pid: int
     _start: int
 

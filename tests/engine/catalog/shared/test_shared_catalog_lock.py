@@ -651,6 +651,22 @@ def test_items_name_this_process_by_pid_and_start_time(tmp_path, monkeypatch):
     c.close()
 
 
+def test_an_item_s_producer_is_a_process_identity_record_whoever_reads_it(tmp_path):
+    """``SharedEntry.producer`` is a :class:`ProcessId` (pid, start): the reservation's own
+    entry, and the one another catalog object decodes from the slot."""
+    c = open_shared(tmp_path / "c", 8)
+    me = liveness.ProcessId.of_this_process()
+    reserved = c.reserve("x", B)
+    assert type(reserved.producer) is liveness.ProcessId and reserved.producer == me
+    c.commit("x")
+    other = reopen(tmp_path / "c")
+    read = other.entry("x")
+    assert type(read.producer) is liveness.ProcessId
+    assert (read.producer.pid, read.producer.start) == (os.getpid(), me.start)
+    other.close()
+    c.close()
+
+
 def test_the_fork_hook_gives_every_live_catalog_object_the_child_s_identity(tmp_path, monkeypatch):
     """What a forked child runs (``os.register_at_fork``): every catalog object still alive,
     and its C fast path, learn the process's pid and start time again."""
