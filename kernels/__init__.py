@@ -13,7 +13,7 @@ from .items import ItemViews, empty_items
 from .plan import PACK_CONFIG, UNPACK_CONFIG, VEC_WIDTHS, CopyPlan, LaunchConfig
 from .planner import plan_copy
 from .reference import reference_pack, reference_unpack
-from .step_table import PlanError
+from .step_table import PlanError, StepTable
 
 __all__ = [
     "PACK_CONFIG",
@@ -24,6 +24,7 @@ __all__ = [
     "KernelVariant",
     "LaunchConfig",
     "PlanError",
+    "StepTable",
     "empty_items",
     "kernel_variants",
     "pack",
