@@ -513,3 +513,20 @@ def test_a_view_that_outlives_close_keeps_the_mapping_until_it_is_freed(arena_di
     del view
     gc.collect()
     assert [m for m in Path("/proc/self/maps").read_text().splitlines() if a.path in m] == []
+
+
+def test_an_attacher_judges_the_creator_s_populate_by_its_pid_and_start_time(
+    arena_dir, monkeypatch
+):
+    """The creator recorded as a process identity (pid and start time): once its pid runs
+    another process (started at another time), an attacher no longer waits for its
+    populate; with the same start it does."""
+    from ecoffload.engine.base import liveness
+
+    with create(arena_dir) as a, Arena.attach("a", directory=arena_dir, layout_key=KEY) as b:
+        assert b._creator == liveness.ProcessId.of_this_process()
+        assert type(b._creator) is liveness.ProcessId and b._populator_alive()
+        start = b._creator.start
+        monkeypatch.setattr(liveness, "process_start_time", lambda pid: start + 1)
+        assert not b._populator_alive()  # the pid was reused
+        assert a.ready_bytes == a.nbytes
