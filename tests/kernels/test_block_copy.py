@@ -308,3 +308,23 @@ def test_tensor_on_another_device_is_refused():
     with pytest.raises(PlanError, match="is on meta"):
         pack([src], [[(0, 1)]], arena, B, backend="triton")
     assert (arena == POISON).all()
+
+
+def test_auto_launches_the_kernel_wherever_triton_runs(monkeypatch):
+    """The decision of ``backend="auto"``: the Triton kernel where it can run (CUDA, or
+    the interpreter for CPU tensors), never the reference copies."""
+    from ecoffload.kernels import api
+
+    launched = []
+    real = api.launch_block_copy
+    monkeypatch.setattr(
+        api, "launch_block_copy", lambda *a, **k: launched.append(1) or real(*a, **k)
+    )
+    monkeypatch.setattr(api, "reference_pack", lambda *a: pytest.fail("the reference ran"))
+    monkeypatch.setattr(api, "reference_unpack", lambda *a: pytest.fail("the reference ran"))
+    arena = torch.zeros(4 * B, dtype=torch.uint8, device=DEVICE)
+    src = torch.arange(B // 4, dtype=torch.int32, device=DEVICE).view(torch.uint8)
+    pack([src], [[(2, 1)]], arena, B, backend="auto")
+    out = empty_items([(torch.uint8, (B,))], DEVICE)
+    unpack(arena, [[(2, 1)]], B, out, backend="auto")
+    assert launched == [1, 1] and torch.equal(out[0], src)
