@@ -208,21 +208,24 @@ def shared_catalog_tests(name: str) -> list[str]:
     return SHARED_CATALOG_FILES + [arg for t in deselect for arg in ("--deselect", t)]
 
 
+# every planner pass's tests (the passes agree, refuse alike, align alike) and its users'
+PLANNER_TESTS = [
+    "tests/kernels/test_plan.py",
+    "tests/kernels/test_plan_alignment.py",
+    "tests/kernels/test_plan_programs.py",
+    "tests/kernels/test_plan_vectorised.py",
+    "tests/kernels/test_plan_small.py",
+    "tests/kernels/test_plan_native.py",
+    "tests/kernels/test_dma_split.py",
+    "tests/fuzz/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
+    "tests/kernels/test_block_copy.py",
+    "tests/kernels/test_memory_safety_kernels.py",
+    "tests/kernels/test_step_table.py",
+]
+
 # module -> the fast tests that exercise it
 MODULES: dict[str, list[str]] = {
-    "kernels/plan.py": [
-        "tests/kernels/test_plan.py",
-        "tests/kernels/test_plan_alignment.py",
-        "tests/kernels/test_plan_programs.py",
-        "tests/kernels/test_plan_vectorised.py",
-        "tests/kernels/test_plan_small.py",
-        "tests/kernels/test_plan_native.py",
-        "tests/kernels/test_dma_split.py",
-        "tests/fuzz/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
-        "tests/kernels/test_block_copy.py",
-        "tests/kernels/test_memory_safety_kernels.py",
-        "tests/kernels/test_step_table.py",
-    ],
+    "kernels/plan.py": PLANNER_TESTS,
     # the step arrays' checks (issue 30): constructors, unpickling, the planner's reading
     "kernels/step_table.py": [
         "tests/kernels/test_step_table.py",
@@ -232,17 +235,7 @@ MODULES: dict[str, list[str]] = {
     ],
     # which pass lays out and plans a step: every pass's tests, and the user paths
     "kernels/planner.py": [
-        "tests/kernels/test_plan.py",
-        "tests/kernels/test_plan_alignment.py",
-        "tests/kernels/test_plan_programs.py",
-        "tests/kernels/test_plan_vectorised.py",
-        "tests/kernels/test_plan_small.py",
-        "tests/kernels/test_plan_native.py",
-        "tests/kernels/test_dma_split.py",
-        "tests/fuzz/test_fuzz_parsers.py::test_block_tables_are_planned_in_bounds_or_refused_untouched",
-        "tests/kernels/test_block_copy.py",
-        "tests/kernels/test_memory_safety_kernels.py",
-        "tests/kernels/test_step_table.py",
+        *PLANNER_TESTS,
         "tests/kernels/test_empty_items.py",
         "tests/kernels/test_fast_pass.py",
     ],
