@@ -237,7 +237,8 @@ class BlockMover:
         if backend == "auto" and self.arena.registered:
             # An item's extents as an array view or its pairs: covers() walks them only
             # while registration is incomplete, so no Python object per extent otherwise.
-            of = tables.extents_of
+            pairs = tables.pairs  # a table of pairs keeps them: no arrays made for this
+            of = pairs.__getitem__ if pairs is not None else tables.extents_of
             unregistered = {i for i in range(len(tables)) if not self.arena.covers(of(i))}
             if unregistered:
                 host = sorted(unregistered)

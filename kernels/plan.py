@@ -51,13 +51,13 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from operator import add, index
+from operator import add
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .step_table import PlanError
+from .step_table import PlanError, pair_of_integers
 
 MAX_VEC_BYTES = 16
 VEC_WIDTHS = (1, 2, 4, 8, 16)  # every access width a plan can pick
@@ -158,13 +158,7 @@ def segments_loop(
             )
         pos = 0
         for extent in table:
-            try:
-                start, count = map(index, extent)
-            except (TypeError, ValueError):  # not a pair, or not of integers
-                raise PlanError(
-                    f"item {item}: extent {extent!r} is not a (start, count) pair of integers; "
-                    "block tables must come from this arena's allocator"
-                ) from None
+            start, count = pair_of_integers(item, extent)
             if count <= 0 or start < 0 or start + count > num_blocks:
                 raise PlanError(
                     f"item {item}: extent ({start}, {count}) is not inside the arena's blocks "

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain
+from operator import index
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +94,19 @@ def step_arrays(extents: object, bounds: object) -> tuple[np.ndarray, np.ndarray
     return extents, bounds
 
 
+def pair_of_integers(item: int, extent: Any) -> tuple[int, int]:  # Any: whatever a table holds
+    """``extent`` as a ``(start, count)`` pair of Python ints (anything ``operator.index``
+    takes: ints, numpy integers); PlanError naming the item and the extent otherwise."""
+    try:
+        start, count = map(index, extent)
+    except (TypeError, ValueError):  # not a pair, or not of integers
+        raise PlanError(
+            f"item {item}: extent {extent!r} is not a (start, count) pair of integers; "
+            "block tables must come from this arena's allocator"
+        ) from None
+    return start, count
+
+
 class StepTable(Sequence):
     """Block tables of the items of one step (see the module docstring).
 
@@ -119,9 +134,17 @@ class StepTable(Sequence):
         (not copied, not checked until planned: the planner checks every pair). For a
         step planned once in this process, such as a save's fresh reservations: the C
         pass reads a few pairs in less time than making arrays of them takes."""
+        if type(tables) is not list:
+            try:
+                tables = list(tables)
+            except TypeError:
+                raise PlanError(
+                    f"block tables must be a sequence of per-item tables of (start, count) "
+                    f"pairs, got {type(tables).__name__}"
+                ) from None
         table = _new(cls)  # object.__new__ itself: of_pairs runs on every small step
         table._extents = table._bounds = None
-        table.pairs = tables if type(tables) is list else list(tables)
+        table.pairs = tables
         return table
 
     @classmethod
@@ -204,11 +227,29 @@ class StepTable(Sequence):
         self.pairs = None
 
     def _make_arrays(self) -> None:
-        """The pairs as arrays, which the table holds from now on (PlanError for a pair
-        that is not two int64s)."""
+        """The pairs as arrays, which the table holds from now on. Each pair is read as
+        two integers first (pairs given to :meth:`of_pairs` may come from anywhere: a
+        float or a string is not truncated or parsed, a triple not re-cut into pairs);
+        PlanError names the first that is not."""
         assert self.pairs is not None, "a table of pairs"
-        made = StepTable.from_tables(self.pairs)
+        made = StepTable.from_tables(self._checked_pairs(range(len(self.pairs))))
         self._extents, self._bounds, self.pairs = made._extents, made._bounds, None
+
+    def _checked_pairs(self, items: Iterable[int]) -> list[list[tuple[int, int]]]:
+        """The given items' pairs as ``(start, count)`` Python ints (a table of pairs)."""
+        pairs = self.pairs
+        assert pairs is not None, "a table of pairs"
+        checked = []
+        for item in items:
+            try:
+                extents = iter(pairs[item])
+            except TypeError:
+                raise PlanError(
+                    f"item {item}: its block table is a {type(pairs[item]).__name__}, not a "
+                    "sequence of (start, count) pairs"
+                ) from None
+            checked.append([pair_of_integers(item, extent) for extent in extents])
+        return checked
 
     def select(self, items: Sequence[int]) -> StepTable:
         """The step table of the given items, in the given order (array slices, or the
@@ -244,11 +285,9 @@ class StepTable(Sequence):
                 "this arena's catalog"
             )
 
-    def extents_of(self, item: int) -> np.ndarray | Extents:
-        """Item ``item``'s extents: an int64 [k, 2] view of the arrays, or its pairs as
-        given to :meth:`of_pairs` (no arrays made for them)."""
-        if self.pairs is not None:
-            return self.pairs[item]
+    def extents_of(self, item: int) -> np.ndarray:
+        """int64 [k, 2]: item ``item``'s extents (a view; a table of pairs makes its
+        arrays first: read ``pairs[item]`` to keep them)."""
         return self.extents[self.bounds[item] : self.bounds[item + 1]]
 
     @property
@@ -269,16 +308,19 @@ class StepTable(Sequence):
             item += len(self)
         if not 0 <= item < len(self):
             raise IndexError(f"item {item} of a step table of {len(self)} items")
-        if self.pairs is not None:
-            return list(map(tuple, self.pairs[item]))
+        if self.pairs is not None:  # as the arrays would give them: Python ints
+            return self._checked_pairs((item,))[0]
         return list(map(tuple, self.extents_of(item).tolist()))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StepTable):
             return NotImplemented
-        return np.array_equal(self.extents, other.extents) and np.array_equal(
-            self.bounds, other.bounds
-        )
+        try:
+            return np.array_equal(self.extents, other.extents) and np.array_equal(
+                self.bounds, other.bounds
+            )
+        except PlanError:  # pairs that are no table equal no table
+            return False
 
     __hash__ = None  # pyright: ignore[reportAssignmentType]  (mutable arrays inside)
 
@@ -297,7 +339,11 @@ class StepTable(Sequence):
         self.pairs = None
 
     def __repr__(self) -> str:
-        return f"StepTable({len(self)} items, {self.num_extents} extents)"
+        try:
+            extents = f"{self.num_extents} extents"
+        except TypeError:  # pairs that are no table
+            extents = "pairs that are no table"
+        return f"StepTable({len(self)} items, {extents})"
 
 
 _new = object.__new__

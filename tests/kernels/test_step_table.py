@@ -123,7 +123,6 @@ def test_a_table_of_pairs_reads_as_the_arrays_would_without_making_them():
     assert step[-1] == [(12, 1)] and step[1:3] == TABLES[1:3]
     with pytest.raises(IndexError, match="item 4 of a step table of 4 items"):
         step[4]
-    assert step.extents_of(2) is pairs[2]  # an item's pairs, no array
     assert list(step.select([3, 0])) == [TABLES[3], TABLES[0]]
     assert step.select([3, 0]).pairs == [pairs[3], pairs[0]]  # still pairs
     assert step.select(range(4)) is step
@@ -135,13 +134,15 @@ def test_a_table_of_pairs_reads_as_the_arrays_would_without_making_them():
 
 
 def test_a_table_of_pairs_makes_its_arrays_when_asked_and_holds_them_from_then_on():
-    for ask in ("extents", "bounds", "pickle", "check", "set extents", "set bounds"):
+    for ask in ("extents", "bounds", "extents_of", "pickle", "check", "set extents", "set bounds"):
         step = StepTable.of_pairs([list(t) for t in TABLES])
         if ask == "pickle":
             got = pickle.loads(pickle.dumps(step))
             assert got.pairs is None and got == StepTable.from_tables(TABLES)
         elif ask == "check":
             step.check(16)
+        elif ask == "extents_of":
+            assert step.extents_of(2).tolist() == [[0, 1], [9, 3], [7, 1]]
         elif ask.startswith("set"):  # the other array is made first: the pair stays whole
             other = step.bounds.copy() if ask == "set extents" else step.extents.copy()
             step = StepTable.of_pairs([list(t) for t in TABLES])
@@ -153,7 +154,7 @@ def test_a_table_of_pairs_makes_its_arrays_when_asked_and_holds_them_from_then_o
             getattr(step, ask)
         assert step.pairs is None, ask
         assert list(step) == TABLES, ask
-    with pytest.raises(PlanError, match="block tables must hold \\(start, count\\) pairs"):
+    with pytest.raises(PlanError, match=r"item 0: extent \(1, 'x'\) is not a \(start, count\)"):
         _ = StepTable.of_pairs([[(1, "x")]]).extents
 
 
@@ -199,6 +200,42 @@ def test_the_planner_plans_a_table_of_pairs_as_pairs(monkeypatch, c_pass):
 HOSTILE_PAIRS = [[[(0, 2)], [(1, 1)]], [[(0, 2)], [(20, 1)]], [[(0, 2)], [(3, -1)]],
                  [[(0, 2)], [(3, "1")]], [[(0, 2)], [(3.0, 1)]], [[(0, 2)], [(3, 1, 0)]],
                  [[(0, 2)], [3]], [[(0, 2)]], [[(0, 2)], [(2, 1)], []]]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[[(0, 1, 5)], [(4,)]], [[(0.9, 1)]], [[("0", 1)]], [[None]], [None], [[(0, 2**63)]]],
+    ids=["triple-and-single", "float", "string", "no-pair", "no-table", "past-int64"],
+)
+def test_pairs_that_are_no_table_never_become_arrays(bad):
+    """A table of pairs makes its arrays from pairs of integers only: a triple and a single
+    are not re-cut into two pairs, a float not truncated, a string not parsed. Whatever
+    asks for the arrays (the worker's check, a pickle, the arrays themselves) gets
+    PlanError, and the table equals no table."""
+    for ask in ("extents", "check", "pickle"):
+        step = StepTable.of_pairs(bad)
+        with pytest.raises(PlanError, match="pair of integers|sequence of|int64"):
+            if ask == "extents":
+                _ = step.extents
+            elif ask == "check":
+                step.check(16)
+            else:
+                pickle.dumps(step)
+    assert StepTable.of_pairs(bad) != StepTable.from_tables([[(0, 1)], [(5, 4)]])
+    assert "StepTable(" in repr(StepTable.of_pairs(bad))
+
+
+def test_of_pairs_refuses_what_is_no_sequence_of_tables():
+    with pytest.raises(PlanError, match="a sequence of per-item tables of .* got NoneType"):
+        StepTable.of_pairs(None)  # pyright: ignore[reportArgumentType]  (the refusal tested)
+
+
+def test_a_table_of_pairs_reads_its_items_as_python_ints():
+    import numpy as np
+
+    step = StepTable.of_pairs([[(np.int64(3), True)], [[4, 2]]])
+    assert step[0] == [(3, 1)] and step[1] == [(4, 2)]
+    assert all(type(v) is int for pair in step[0] + step[1] for v in pair)
 
 
 @pytest.mark.parametrize("bad", HOSTILE_PAIRS)
