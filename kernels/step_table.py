@@ -232,24 +232,18 @@ class StepTable(Sequence):
         float or a string is not truncated or parsed, a triple not re-cut into pairs);
         PlanError names the first that is not."""
         assert self.pairs is not None, "a table of pairs"
-        made = StepTable.from_tables(self._checked_pairs(range(len(self.pairs))))
-        self._extents, self._bounds, self.pairs = made._extents, made._bounds, None
-
-    def _checked_pairs(self, items: Iterable[int]) -> list[list[tuple[int, int]]]:
-        """The given items' pairs as ``(start, count)`` Python ints (a table of pairs)."""
-        pairs = self.pairs
-        assert pairs is not None, "a table of pairs"
         checked = []
-        for item in items:
+        for item, table in enumerate(self.pairs):
             try:
-                extents = iter(pairs[item])
+                extents = iter(table)
             except TypeError:
                 raise PlanError(
-                    f"item {item}: its block table is a {type(pairs[item]).__name__}, not a "
+                    f"item {item}: its block table is a {type(table).__name__}, not a "
                     "sequence of (start, count) pairs"
                 ) from None
             checked.append([pair_of_integers(item, extent) for extent in extents])
-        return checked
+        made = StepTable.from_tables(checked)
+        self._extents, self._bounds, self.pairs = made._extents, made._bounds, None
 
     def select(self, items: Sequence[int]) -> StepTable:
         """The step table of the given items, in the given order (array slices, or the
@@ -308,8 +302,8 @@ class StepTable(Sequence):
             item += len(self)
         if not 0 <= item < len(self):
             raise IndexError(f"item {item} of a step table of {len(self)} items")
-        if self.pairs is not None:  # as the arrays would give them: Python ints
-            return self._checked_pairs((item,))[0]
+        if self.pairs is not None:  # as given: the planner checks each pair it plans
+            return list(self.pairs[item])
         return list(map(tuple, self.extents_of(item).tolist()))
 
     def __eq__(self, other: object) -> bool:
