@@ -172,7 +172,7 @@ def _run(
     if plan.dma:
         _copy_engine(plan.dma, tensors, offsets, arena, to_arena=to_arena)
     if base is not None:
-        # the plan's item span: these tensors' own, from which _plan made it
+        # the plan's item span: these tensors' own, from which plan_items made it
         launch_block_copy(base, arena, plan, to_arena=to_arena, num_warps=config.num_warps,
                           items_bytes=plan.items_bytes)  # fmt: skip
 

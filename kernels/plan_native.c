@@ -1,4 +1,4 @@
-/* The copy planner's fast passes in C: what plan.py's and api.py's Python passes
+/* The copy planner's fast passes in C: what plan.py's and items.py's Python passes
  * compute, without the interpreter's cost per extent or per item (BENCHMARKS.md,
  * "With the planner's C pass": most of what is left is reading Python tuples).
  *
@@ -34,17 +34,17 @@
  *   checks of every step table made, without numpy's calls (BENCHMARKS.md).
  *
  * item_layout(tensors) -> (lowest, offsets, sizes, span) or None
- *   api._item_layout's numbers for a list of tensors: the index of the
+ *   items.python_item_layout's numbers for a list of tensors: the index of the
  *   lowest-addressed non-empty tensor (-1: none), each tensor's byte offset
  *   from it (0 for empty ones), byte sizes, and the bytes from it to the end of
- *   the highest. None when a tensor is not contiguous (api.py names it). The
+ *   the highest. None when a tensor is not contiguous (items.py names it). The
  *   tensors' methods run Python code, so it works on a snapshot of the list.
  *   It calls torch.Tensor's is_contiguous, data_ptr and nbytes descriptors on
  *   each tensor (looked up once, at the first call: a bound-method lookup per
  *   call cost about as much again), never an attribute a subclass could
  *   override; it takes exact torch.Tensors only, with no torch function mode
  *   active (a subclass's __torch_function__, or a mode, could answer for them):
- *   anything else goes to api.py, which asks torch with torch functions disabled.
+ *   anything else goes to items.py, which asks torch with torch functions disabled.
  *
  * Built at install time as the extension module ecoffload.kernels._plan_native
  * (setup.py, optional: without a compiler the install warns and plan.py's
@@ -436,13 +436,13 @@ static PyObject *item_layout(PyObject *self, PyObject *given) {
     PyObject *modes = PyObject_CallNoArgs(mode_on);
     if (modes == NULL) return NULL;
     Py_DECREF(modes);
-    if (modes != Py_False) Py_RETURN_NONE;  /* a mode answers for tensors: api.py asks */
+    if (modes != Py_False) Py_RETURN_NONE;  /* a mode answers for tensors: items.py asks */
     PyObject *tensors = PyList_AsTuple(given);  /* a snapshot: the methods below run Python */
     if (tensors == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(tensors);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (Py_TYPE(PyTuple_GET_ITEM(tensors, i)) != (PyTypeObject *)tensor_type) {
-            Py_DECREF(tensors);  /* a subclass (or no tensor): api.py asks torch itself */
+            Py_DECREF(tensors);  /* a subclass (or no tensor): items.py asks torch itself */
             Py_RETURN_NONE;
         }
     }
@@ -468,7 +468,7 @@ static PyObject *item_layout(PyObject *self, PyObject *given) {
             Py_XDECREF(nbytes);
             Py_XDECREF(contiguous);
             PyErr_Clear();
-            result = Py_None;  /* not contiguous, not a tensor...: api.py says what is wrong */
+            result = Py_None;  /* not contiguous, not a tensor...: items.py says what is wrong */
             goto done;
         }
         Py_DECREF(contiguous);

@@ -13,10 +13,10 @@ pickles as two buffers, which is how the connector's metadata carries it
 from the scheduler to the workers.
 
 It is the one block-table type past the catalogs: the engine hands its mover a step
-table for every step. A step planned once in this process (a save's fresh
-reservations) may keep its per-item pairs instead (:meth:`StepTable.of_pairs`): the
-C pass reads a few pairs in less time than making arrays of them takes, and the
-arrays are made on first use.
+table for every step. A step of a few extents, or one planned once in this process (a
+save's fresh reservations), may keep its per-item pairs instead
+(:meth:`StepTable.of_pairs`): the C pass reads them in less time than making arrays
+of them takes, and the arrays are made on first use, from pairs of integers only.
 
 It is also a read-only sequence of per-item tables (``table[i]``: a list of
 ``(start, count)`` tuples), so code that walks tables one item at a time (the

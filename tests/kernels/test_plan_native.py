@@ -559,7 +559,7 @@ class _Counting:
 @pytest.mark.parametrize("tables", ["lists", "step-table"])
 def test_a_step_asks_the_c_pass_for_its_item_layout_once(c_module, monkeypatch, plans, tables):
     """One C item layout per planned step, whether the C planner plans or declines (when
-    it declined, _item_layout asked the C pass again: two calls, the same numbers); the
+    it declined, the Python layout asked the C pass again: two calls, the same numbers); the
     plan is the one the Python passes make."""
     items = [torch.arange(n, dtype=torch.uint8) for n in (100, 5000, 1)]
     blocks = [[(0, 1)], [(1, 2)], [(3, 1)]]
