@@ -226,8 +226,21 @@ def test_pairs_that_are_no_table_never_become_arrays(bad):
 
 
 def test_of_pairs_refuses_what_is_no_sequence_of_tables():
-    with pytest.raises(PlanError, match="a sequence of per-item tables of .* got NoneType"):
-        StepTable.of_pairs(None)  # pyright: ignore[reportArgumentType]  (the refusal tested)
+    with pytest.raises(PlanError) as caught:
+        StepTable.of_pairs(5)  # pyright: ignore[reportArgumentType]  (the refusal tested)
+    assert str(caught.value) == (
+        "block tables must be a sequence of per-item tables of (start, count) pairs, got int"
+    )
+
+
+def test_an_item_whose_table_is_no_sequence_is_named_when_arrays_are_made():
+    step = StepTable.of_pairs([[(0, 1)], 5])  # pyright: ignore[reportArgumentType]
+    assert repr(step) == "StepTable(2 items, pairs that are no table)"
+    with pytest.raises(PlanError) as caught:
+        step.check(16)
+    assert str(caught.value) == (
+        "item 1: its block table is a int, not a sequence of (start, count) pairs"
+    )
 
 
 def test_a_table_of_pairs_gives_its_items_pairs_as_given_and_its_arrays_python_ints():
