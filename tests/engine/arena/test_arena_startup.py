@@ -419,9 +419,10 @@ def test_mover_copies_unregistered_blocks_through_host_memory(
         mover = BlockMover(a, "cpu")
         items = [torch.full((B + 5,), i + 1, dtype=torch.uint8) for i in range(3)]
         tables = [[(0, 2)], [(4, 2)], [(8, 1), (13, 1)]]  # the middle one is in the bad chunk
-        mover.save(
-            items, StepTable.from_tables(tables) if as_step_table else StepTable.of_pairs(tables)
-        )
+        saved = StepTable.from_tables(tables) if as_step_table else StepTable.of_pairs(tables)
+        mover.save(items, saved)
+        # which blocks are registered is read off a table of pairs' own pairs: no arrays
+        assert (saved.pairs is None) == as_step_table
         host = [t for backend, t in backends if backend == "reference"]
         assert host == [[[(4, 2)]]]
         assert [t for backend, t in backends if backend != "reference"] == [
