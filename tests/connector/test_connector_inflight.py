@@ -5,6 +5,8 @@ completed; a load keeps its pin until every copy of it has completed; a worker
 killed mid-copy never gets its item published.
 """
 
+import logging
+
 import pytest
 import torch
 
@@ -122,12 +124,16 @@ def test_shutdown_publishes_a_save_only_after_its_copy_completed(pair):
     assert torch.equal(got[: entry.nbytes], src.view(torch.uint8).flatten())
 
 
-def test_shutdown_never_publishes_a_save_whose_copy_never_completed(pair):
+def test_shutdown_never_publishes_a_save_whose_copy_never_completed(pair, caplog):
     sched, worker = pair
     gate = CopyGate.install(worker.side.mover)
     schedule(sched, make_request("r1", [("img", 5)]))
     send_report(sched, worker_step(worker, empty_step(sched), {}, {"img": encoder_output(5, 5)}))
     gate.kill()  # its copy will never complete: the wait returns, the event says no
-    worker.shutdown()
+    with caplog.at_level(logging.WARNING, logger="ecoffload.connector.worker_side"):
+        worker.shutdown()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "ecoffload: 1 save(s) never completed their copy; not publishing them"
+    ]
     assert sched.side.catalog.state("img") is ItemState.WRITING  # reaped once the writer is gone
     assert not sched.has_cache_item("img")
