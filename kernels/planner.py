@@ -11,9 +11,10 @@ of one contract:
 - the copy plan (:class:`.plan.CopyPlan`): the C pass (``plan_step`` over a
   :class:`~.step_table.StepTable`'s int64 arrays, ``plan`` over per-item pairs), else
   the Python passes of :mod:`.plan`: a step table's arrays to the numpy pass, per-item
-  pairs to the small pass below :data:`VECTORISE_FROM` extents and to the vectorised
-  pass from it, and the reference loop where a fast pass finds a fault (it names the
-  first). A DMA split (``LaunchConfig.dma_min_bytes``) is planned in Python only.
+  pairs (a table made by ``StepTable.of_pairs`` among them) to the small pass below
+  :data:`VECTORISE_FROM` extents and to the vectorised pass from it, and the reference
+  loop where a fast pass finds a fault (it names the first). A DMA split
+  (``LaunchConfig.dma_min_bytes``) is planned in Python only.
 
 The C pass is loaded once per process by :func:`.native.planner` (None where it was
 not built or ``ECOFFLOAD_NATIVE_PLAN=0``). The step table's checks
