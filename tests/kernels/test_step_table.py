@@ -6,6 +6,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from planners import PLANNERS, use_planner
 
 from ecoffload.engine.catalog.allocator import Extent
 from ecoffload.kernels import PlanError, native, plan_copy, planner
@@ -254,11 +255,14 @@ def test_a_table_of_pairs_gives_its_items_pairs_as_given_and_its_arrays_python_i
 
 
 @pytest.mark.parametrize("bad", HOSTILE_PAIRS)
-def test_a_hostile_table_of_pairs_is_refused_before_any_copy(bad):
+@pytest.mark.parametrize("passes", PLANNERS)
+def test_a_hostile_table_of_pairs_is_refused_before_any_copy(bad, passes, monkeypatch):
     """Overlapping, outside the arena, a negative count, no integer, no pair, too few
-    or too many items: PlanError (the loop planner names it), the arena untouched."""
+    or too many items: PlanError from every planner pass (the C pass, the small and the
+    vectorised Python passes, the loop that names it), the arena untouched."""
     from ecoffload.kernels import pack
 
+    use_planner(monkeypatch, passes)
     arena = torch.full((16 * 4096,), 0xA5, dtype=torch.uint8)
     sources = [torch.ones(2 * 4096, dtype=torch.uint8), torch.ones(4096, dtype=torch.uint8)]
     with pytest.raises(PlanError):
