@@ -93,13 +93,10 @@ def step_tables(entries: list, *, fresh: bool = False) -> StepTable:
     reservations without the C pass (the numpy pass reads the arrays), one pass over
     their extents."""
     tables = [e.extents for e in entries]
-    if sum(map(len, tables)) < STEP_TABLE_FROM:  # map: no bytecode per entry
+    few = sum(map(len, tables)) < STEP_TABLE_FROM  # map: no bytecode per entry
+    if few or (fresh and planner.plans_pairs_in_c()):
         return StepTable.of_pairs(tables)
-    if not fresh:
-        return StepTable.of_entries(entries)
-    return (
-        StepTable.of_pairs(tables) if planner.plans_pairs_in_c() else StepTable.from_tables(tables)
-    )
+    return StepTable.from_tables(tables) if fresh else StepTable.of_entries(entries)
 
 
 class OffloadCache:
