@@ -55,7 +55,14 @@ _IMPORTS_HYPOTHESIS = re.compile(r"^(?:from|import) hypothesis\b", re.MULTILINE)
 _NOT_COLLECTED: list[str] = []
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    # mutmut tests several mutants at once, each in a forked pytest session; sessions
+    # sharing pytest's numbered temp folders delete each other's, so a test would fail
+    # for that and its mutant count as killed: each session gets a folder of its own.
+    mutation_tmp = os.environ.get("ECOFFLOAD_MUTATION_TMP")
+    if mutation_tmp and config.option.basetemp is None:
+        config.option.basetemp = os.path.join(mutation_tmp, str(os.getpid()))
     config.addinivalue_line(
         "markers",
         "kernel: runs the Triton kernel (compiled on CUDA, interpreted on CPU); "

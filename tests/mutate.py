@@ -425,13 +425,16 @@ def run(module: str, children: int, fast_only: bool = False, since: str | None =
     # already run torch ops, and libgomp's thread pool does not survive a fork (the
     # child's first parallel reduction waits forever in gomp_team_end: a "timeout").
     env = {**os.environ, "CI": "1", "PYTHONSAFEPATH": "1", "ECOFFLOAD_MUTATION": "1",
-           "OMP_NUM_THREADS": "1", "ECOFFLOAD_NATIVE_CATALOG": "0"}  # fmt: skip
+           "OMP_NUM_THREADS": "1", "ECOFFLOAD_NATIVE_CATALOG": "0",
+           "ECOFFLOAD_MUTATION_TMP": str(root / "tmp")}  # fmt: skip
+    (root / "tmp").mkdir()
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *names],
         cwd=root, env=env, capture_output=True, text=True,
     )  # fmt: skip
     seconds = time.monotonic() - start
+    shutil.rmtree(root / "tmp", ignore_errors=True)  # a folder per forked session
     (root / "mutmut-run.log").write_text(proc.stdout + proc.stderr)
     meta = root / "mutants" / "src" / "ecoffload" / f"{module}.meta"
     if not meta.exists():
