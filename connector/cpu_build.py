@@ -1,16 +1,18 @@
 """What vLLM's CPU build needs in every process to serve multimodal models.
 
-vLLM 0.32's ``model_executor/models/pixtral.py`` (imported by ``vision.py``,
-so by every multimodal model, PaliGemma included) imports transformers'
-``image_processing_pixtral``, which imports torchvision. PyPI's torchvision
-does not load beside torch+cpu, so CPU hosts run without it and the import
-fails while vLLM profiles the multimodal processor. transformers ships a PIL
-twin of that module (``image_processing_pil_pixtral``) that defines the
-helper vLLM imports from it (``_num_image_tokens``); :class:`PixtralAlias`
-serves the twin's names under the torchvision module's name, and only when
-torchvision is absent (where it is installed, nothing changes). It is lazy:
-nothing is imported until vLLM asks for the module (an eager transformers
-import would cost seconds in every process).
+vLLM 0.32 imports helpers from transformers modules that import torchvision:
+``model_executor/models/pixtral.py`` (imported by ``vision.py``, so by every
+multimodal model, PaliGemma included) imports ``_num_image_tokens`` from
+``image_processing_pixtral``; ``qwen2_vl.py`` (Qwen2-VL, and the models built on
+it) imports ``smart_resize`` from ``image_processing_qwen2_vl``. PyPI's torchvision
+does not load beside torch+cpu, so CPU hosts run without it and the import fails
+while vLLM inspects the model or profiles its processor. transformers ships a PIL
+twin of each of those modules (``image_processing_pil_*``) that defines the
+helpers vLLM imports; :class:`TwinAlias` serves a twin's names under the
+torchvision module's name (:data:`TWINS`), and only when torchvision is absent
+(where it is installed, nothing changes). It is lazy: nothing is imported until
+vLLM asks for the module (an eager transformers import would cost seconds in
+every process).
 
 Every process, not only the first: vLLM starts its engine core and workers
 with ``multiprocessing`` (spawn by default: fresh interpreters that inherit
@@ -36,23 +38,33 @@ import types
 #: Set to ``1`` in a process whose vLLM children must install the alias too.
 ENV_VAR = "ECOFFLOAD_VLLM_CPU_BUILD"
 
-TARGET = "transformers.models.pixtral.image_processing_pixtral"
-TWIN = "transformers.models.pixtral.image_processing_pil_pixtral"
+#: Each torchvision module vLLM imports from, and its PIL twin in transformers.
+TWINS = {
+    "transformers.models.pixtral.image_processing_pixtral": (
+        "transformers.models.pixtral.image_processing_pil_pixtral"
+    ),
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl": (
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+    ),
+}
 
 
 class _TwinLoader(importlib.abc.Loader):
-    """Executes the target module as a copy of the twin's public names."""
+    """Executes the target module as a copy of its twin's public names."""
+
+    def __init__(self, twin: str) -> None:
+        self.twin = twin
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
         return None  # the default module object
 
     def exec_module(self, module: types.ModuleType) -> None:
-        twin = importlib.import_module(TWIN)
+        twin = importlib.import_module(self.twin)
         module.__dict__.update({k: v for k, v in vars(twin).items() if not k.startswith("__")})
 
 
-class PixtralAlias(importlib.abc.MetaPathFinder):
-    """Finds :data:`TARGET` as its PIL twin when torchvision is not installed."""
+class TwinAlias(importlib.abc.MetaPathFinder):
+    """Finds each module of :data:`TWINS` as its PIL twin when torchvision is not installed."""
 
     def find_spec(
         self,
@@ -60,26 +72,27 @@ class PixtralAlias(importlib.abc.MetaPathFinder):
         path: object = None,
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != TARGET or importlib.util.find_spec("torchvision") is not None:
+        twin = TWINS.get(fullname)
+        if twin is None or importlib.util.find_spec("torchvision") is not None:
             return None
-        return importlib.util.spec_from_loader(fullname, _TwinLoader())
+        return importlib.util.spec_from_loader(fullname, _TwinLoader(twin))
 
 
-def install_pixtral_alias() -> None:
-    """Put :class:`PixtralAlias` first on ``sys.meta_path`` of this process (idempotent)."""
-    if not any(isinstance(f, PixtralAlias) for f in sys.meta_path):
-        sys.meta_path.insert(0, PixtralAlias())
+def install_twin_alias() -> None:
+    """Put :class:`TwinAlias` first on ``sys.meta_path`` of this process (idempotent)."""
+    if not any(isinstance(f, TwinAlias) for f in sys.meta_path):
+        sys.meta_path.insert(0, TwinAlias())
 
 
 def install() -> None:
     """The alias in this process and, through :data:`ENV_VAR`, in every process it starts."""
     os.environ[ENV_VAR] = "1"
-    install_pixtral_alias()
+    install_twin_alias()
 
 
 def install_if_enabled() -> bool:
     """In a child: install the alias if the process that started it asked for it."""
     if os.environ.get(ENV_VAR) != "1":
         return False
-    install_pixtral_alias()
+    install_twin_alias()
     return True

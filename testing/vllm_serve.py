@@ -320,21 +320,23 @@ def png_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def chat_messages(image: Any, prompt: str) -> list[dict[str, Any]]:
-    """One user message: ``image`` as a base64 PNG, then ``prompt``."""
-    return [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": png_data_url(image)}},
-                {"type": "text", "text": prompt},
-            ],
-        }
-    ]
+def media_part(item: Any) -> dict[str, Any]:
+    """A chat content part for ``item``: MP4 bytes as a video, anything else (a PIL
+    image) as a base64 PNG image."""
+    if isinstance(item, bytes):
+        url = "data:video/mp4;base64," + base64.b64encode(item).decode()
+        return {"type": "video_url", "video_url": {"url": url}}
+    return {"type": "image_url", "image_url": {"url": png_data_url(item)}}
+
+
+def chat_messages(item: Any, prompt: str) -> list[dict[str, Any]]:
+    """One user message: ``item`` (:func:`media_part`), then ``prompt``."""
+    return [{"role": "user", "content": [media_part(item), {"type": "text", "text": prompt}]}]
 
 
 def chat(client: Any, image: Any, *, max_tokens: int = 8, prompt: str = "describe") -> str:
-    """One greedy chat request with ``image`` as a base64 PNG; the generated text."""
+    """One greedy chat request with ``image`` (or MP4 bytes: :func:`media_part`); the
+    generated text."""
     response = client.chat.completions.create(
         model=SERVED_NAME,
         messages=chat_messages(image, prompt),

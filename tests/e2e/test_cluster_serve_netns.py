@@ -10,12 +10,14 @@ address; both are the installed ``ecoffload-vllm serve`` with no PYTHONPATH, ask
 through the ``openai`` client (A on 127.0.0.1, B on the namespace's address). A
 plain server without the connector gives the reference text.
 
-A encodes the items and publishes them (it answers one image more, which drives
-the engine steps that commit and publish its last saves); B, asked the same
-items, fetches every one from the store: ``/metrics`` counts as many fetched as
-asked, none saved (B's encoder never ran for them: every item B encodes is
-saved) and none failing its MAC, and B answers the plain server's text. Where no
-namespace can be made here, the test skips saying why.
+The model is the tiny Qwen2-VL (:mod:`ecoffload.testing.tiny_qwen2_vl`), so the
+items are two images and a video (an MP4 the server decodes into frames; its
+item is the frames' tokens). A encodes the items and publishes them (it answers
+one image more, which drives the engine steps that commit and publish its last
+saves); B, asked the same items, fetches every one from the store: ``/metrics``
+counts as many fetched as asked, none saved (B's encoder never ran for them:
+every item B encodes is saved) and none failing its MAC, and B answers the plain
+server's text. Where no namespace can be made here, the test skips saying why.
 
 Before the servers (seconds, not marked slow): two bare store clients, one per host,
 put and get one value across the veth pair. Both found that Mooncake's TCP transport
@@ -42,12 +44,12 @@ from ecoffload.engine.cluster.store import (
 )
 from ecoffload.engine.cluster.value import random_key_file
 from ecoffload.testing.netns import NoTestHost, leftovers, second_host
-from ecoffload.testing.tiny_vlm import build_tiny_paligemma
+from ecoffload.testing.tiny_qwen2_vl import SERVE_ARGS, build_tiny_qwen2_vl, make_videos
 from ecoffload.testing.vllm_scenario import make_images
 from ecoffload.testing.vllm_serve import Server, chat
 
 pytestmark = pytest.mark.skipif(bool(store_missing()), reason=str(store_missing()))
-IMAGES = 3
+ITEMS = 3  # two images and a video; A is asked one image more
 START_S = 900.0  # a loaded 2-vCPU host needs minutes per server
 NET = "10.213.39.0"  # a private /30 of this machine only (test_nixl_doors uses .37)
 M = "vllm:ecoffload_"
@@ -117,14 +119,15 @@ def test_a_client_on_another_host_gets_a_value_put_here(test_host, tmp_path):
 def test_a_server_on_another_host_serves_the_first_one_s_items_from_the_store(
     test_host, tmp_path_factory
 ):
-    model_dir = build_tiny_paligemma(str(tmp_path_factory.mktemp("tiny-paligemma")), seed=0)
-    images = make_images(IMAGES + 1)
+    model_dir = build_tiny_qwen2_vl(str(tmp_path_factory.mktemp("tiny-qwen2-vl")), seed=0)
+    images = make_images(3)
+    items = [images[0], images[1], make_videos(1)[0], images[2]]
     a, b = tmp_path_factory.mktemp("host-a"), tmp_path_factory.mktemp("host-b")
     logs = tmp_path_factory.mktemp("logs")
     with Server.start(model_dir, connector=False, log_path=str(logs / "plain.log"),
-                      timeout_s=START_S) as plain:  # fmt: skip
+                      extra_args=SERVE_ARGS, timeout_s=START_S) as plain:  # fmt: skip
         client = plain.client(timeout_s=120)
-        reference = [chat(client, im) for im in images]
+        reference = [chat(client, item) for item in items]
     master = MasterProcess(host=test_host.here, log_path=str(logs / "master.log")).start()
     try:
         cluster = {"master": master.address, "metadata": master.metadata,
@@ -132,24 +135,25 @@ def test_a_server_on_another_host_serves_the_first_one_s_items_from_the_store(
                    "key_file": random_key_file(str(logs / "cluster.key"))}  # fmt: skip
         with Server.start(model_dir, connector=True, arena_dir=str(a), arena_name="cache-a",
                           cluster={**cluster, "host": test_host.here}, timeout_s=START_S,
-                          log_path=str(logs / "a.log")) as sa:  # fmt: skip
+                          extra_args=SERVE_ARGS, log_path=str(logs / "a.log")) as sa:  # fmt: skip
             client = sa.client(timeout_s=120)
-            assert [chat(client, im) for im in images] == reference
+            assert [chat(client, item) for item in items] == reference
             # (the last saves are committed, published and counted on later engine steps:
             # the last request made some; V1 runs no idle steps)
-            got = sa.wait_for_metric(M + "cluster_publishes_total", IMAGES, timeout_s=60)
-            assert got.get(M + "cluster_publishes_total", 0) >= IMAGES, connector_lines(sa)
+            got = sa.wait_for_metric(M + "cluster_publishes_total", ITEMS, timeout_s=60)
+            assert got.get(M + "cluster_publishes_total", 0) >= ITEMS, connector_lines(sa)
             with Server.start(model_dir, connector=True, arena_dir=str(b), arena_name="cache-b",
                               cluster={**cluster, "host": test_host.there},
                               host=test_host.there, prefix=test_host.exec_prefix(),
-                              timeout_s=START_S, log_path=str(logs / "b.log")) as sb:  # fmt: skip
+                              extra_args=SERVE_ARGS, timeout_s=START_S,
+                              log_path=str(logs / "b.log")) as sb:  # fmt: skip
                 client = sb.client(timeout_s=120)
-                assert [chat(client, im) for im in images[:IMAGES]] == reference[:IMAGES]
-                got = sb.wait_for_metric(M + "cluster_items_fetched_total", IMAGES)
-                assert got.get(M + "cluster_items_fetched_total", 0) == IMAGES, connector_lines(sb)
+                assert [chat(client, item) for item in items[:ITEMS]] == reference[:ITEMS]
+                got = sb.wait_for_metric(M + "cluster_items_fetched_total", ITEMS)
+                assert got.get(M + "cluster_items_fetched_total", 0) == ITEMS, connector_lines(sb)
                 assert got.get(M + "items_saved_total", 0) == 0  # B's encoder never ran
                 assert got.get(M + "cluster_mac_failures_total", 0) == 0
-                assert got[M + "items_loaded_total"] >= IMAGES  # served from its arena
+                assert got[M + "items_loaded_total"] >= ITEMS  # served from its arena
                 assert got.get(M + "cluster_available", 0) == 1
     finally:
         master.kill()

@@ -41,7 +41,7 @@ def built(request, tmp_path_factory):
 def test_vllm_counts_the_presets_image_tokens_from_its_config(built):
     from transformers import AutoConfig
 
-    cpu_build.install_pixtral_alias()  # vLLM's model registry imports pixtral (torchvision)
+    cpu_build.install_twin_alias()  # vLLM's model registry imports pixtral (torchvision)
     from vllm.model_executor.models.vision import get_vision_encoder_info
 
     path, vision, tokens, _ = built
