@@ -187,3 +187,16 @@ def test_an_item_admitted_twice_in_one_pass_is_pinned_once(hosts):
     assert bsched.ensure_cache_available(first, 0)
     assert bsched.ensure_cache_available(second, 0)
     assert bsched.side.catalog.entry(key).pins == pins + 1
+
+
+def test_a_request_that_finishes_while_held_leaves_no_cluster_state(hosts):
+    (_, _), (bsched, _) = hosts()
+    request = make_request("b1", [("never-a", 3)])
+    assert not bsched.ensure_cache_available(request, 0)  # held for its lookup
+    consumer = bsched.side.cluster
+    assert request.request_id in consumer._asked and request.request_id in consumer._holds
+    bsched.request_finished(request)  # aborted before the step that looks it up
+    assert not consumer._asked and not consumer._holds and not consumer._fetching
+    assert not consumer._ready and not consumer._hold_fetch
+    step(bsched)  # and the step after it looks nothing up for it
+    assert bsched.side.stats()["cluster_lookups"] == 0

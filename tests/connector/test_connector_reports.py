@@ -433,3 +433,73 @@ def test_num_programs_sets_the_grid_of_both_directions_and_nothing_else(arena_di
     finally:
         worker.shutdown()
         sched.shutdown()
+
+
+@pytest.fixture
+def two_ranks(arena_dir, model_config):
+    """A scheduler whose loads are each reported by two workers (tensor parallel 2, mp)."""
+    config = make_config(arena_dir, model_config=model_config)
+    config.parallel_config.tensor_parallel_size = 2
+    config.parallel_config.distributed_executor_backend = "mp"
+    sched, worker = make_pair(config)
+    assert sched.side._load_ranks == 2
+    yield sched
+    worker.shutdown()
+    sched.shutdown()
+
+
+def test_with_two_ranks_each_load_is_freed_once_both_ranks_reported_it(two_ranks):
+    """Rank reports carry over between outputs per key; a load is freed only by two."""
+    sched, catalog = two_ranks, two_ranks.side.catalog
+    for key in ("a", "b", "c"):
+        ready(sched, key, nbytes=512)
+    for _ in range(3):
+        step(sched, ("a", 4))  # three loads of a
+    step(sched, ("b", 4))
+    step(sched, ("c", 4))
+    assert [catalog.entry(k).pins for k in "abc"] == [3, 1, 1]
+    report(sched, loaded=Counter({"a": 3}))  # both ranks of one load, one rank of the next
+    assert catalog.entry("a").pins == 2
+    report(sched, loaded=Counter({"b": 1}))  # b's first rank, while a has one waiting
+    assert catalog.entry("b").pins == 1
+    report(sched, loaded=Counter({"b": 1}))
+    assert catalog.entry("b").pins == 0
+    report(sched, loaded=Counter({"a": 1}))  # completes a's second load
+    assert catalog.entry("a").pins == 1
+    report(sched, loaded=Counter({"a": 1}))  # the third load's first rank only
+    assert catalog.entry("a").pins == 1
+    report(sched, loaded=Counter({"a": 1}))
+    assert catalog.entry("a").pins == 0
+    # one load of c reported by three ranks (one a stray): the stray report is not kept
+    # for c's next load, which again needs both ranks
+    report(sched, loaded=Counter({"c": 3}))
+    assert catalog.entry("c").pins == 0
+    step(sched, ("c", 4))
+    report(sched, loaded=Counter({"c": 1}))
+    assert catalog.entry("c").pins == 1
+    report(sched, loaded=Counter({"c": 1}))
+    assert catalog.entry("c").pins == 0
+    stats = sched.offload_stats()
+    assert stats["items_loaded"] == 6 and stats["bytes_loaded"] == 6 * 512  # summed over outputs
+    assert stats["unexpected_reports"] == 0
+    assert not sched.side._loading and not sched.side._load_reports  # nothing left behind
+
+
+def test_every_stray_load_report_of_one_output_is_counted(sched):
+    report(sched, loaded=Counter({"x": 1, "y": 2, "z": 1}))
+    assert sched.offload_stats()["unexpected_reports"] == 3
+
+
+def test_a_dropped_load_of_an_item_another_step_also_loads_leaves_that_load_held(sched):
+    ready(sched, "img")
+    dropped = step(sched, ("img", 4))  # never echoed
+    kept = step(sched, ("img", 4))
+    assert sched.side.catalog.entry("img").pins == 2
+    report(sched, steps={kept.step})  # the dropped step is undone: one pin released
+    assert dropped.step < kept.step and sched.side.catalog.entry("img").pins == 1
+    assert sched.side._loading == {"img": 1}
+    report(sched, loaded=Counter({"img": 1}))  # the kept step's load
+    assert sched.side.catalog.entry("img").pins == 0
+    stats = sched.offload_stats()
+    assert stats["items_loaded"] == 1 and stats["unexpected_reports"] == 0
+    assert not sched.side._loading
