@@ -532,8 +532,10 @@ def run_fresh(root: Path, module: str, codes: dict[str, int], env: dict[str, str
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    tmp.mkdir(exist_ok=True)
     if pytest(""):  # else every mutant would count as killed
-        sys.exit(f"{module}: {FRESH_PROCESS[module]} fail without a mutant")
+        sys.exit(f"{module}: {FRESH_PROCESS[module]} fail without a mutant (run them there: "
+                 f"cd {root / 'mutants'}; PYTHONPATH=src python -m pytest ...)")  # fmt: skip
     with ThreadPoolExecutor(children) as pool:
         for name, code in zip(names, pool.map(pytest, names), strict=True):
             if code:
