@@ -10,6 +10,7 @@ its arena, then vLLM's ordinary path loads them: compared bit for bit with
 what A's encoder made.
 """
 
+import logging
 import time
 
 import pytest
@@ -29,6 +30,7 @@ from vllm_harness import (
     worker_step,
 )
 
+from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.engine.cluster.master import MasterProcess
 from ecoffload.engine.cluster.store import store_missing
 from ecoffload.engine.cluster.value import random_key_file
@@ -200,3 +202,36 @@ def test_a_request_that_finishes_while_held_leaves_no_cluster_state(hosts):
     assert not consumer._ready and not consumer._hold_fetch
     step(bsched)  # and the step after it looks nothing up for it
     assert bsched.side.stats()["cluster_lookups"] == 0
+
+
+def test_items_are_published_under_the_model_s_layout_name(hosts):
+    """``ecoffload/<the layout key's name>/<item key>``: other models never meet."""
+    (asched, aworker), (_, _) = hosts()
+    produce(asched, aworker, "a1", IMAGES[:1])
+    wait_published(asched, 1)
+    key = IMAGES[0][0]
+    layout = default_arena_name(asched.side._vllm_config)
+    names = [f"ecoffload/{layout}/{key}", f"ecoffload/None/{key}", f"ecoffload//{key}", key]
+    client = asched.side.cluster.tier.client
+    assert client.call("lookup", lambda store: store.batch_is_exist(names), 20) == [1, 0, 0, 0]
+
+
+def test_an_admission_that_fails_encodes_locally_and_names_the_request(hosts, caplog):
+    (_, _), (bsched, _) = hosts()
+    request = make_request("b1", [("never-a", 3)])
+    request.mm_features[0].mm_position = None  # a malformed request: the tier raises on it
+    with caplog.at_level(logging.ERROR, logger="ecoffload"):
+        assert bsched.ensure_cache_available(request, 0)  # admitted: encoded locally
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert record.getMessage() == "ecoffload: cluster lookup of b1 failed; encoding locally"
+    assert record.exc_info is not None and record.exc_info[0] is AttributeError
+
+
+def test_the_scheduler_s_shutdown_closes_its_cluster_tier(hosts):
+    (_, _), (bsched, _) = hosts()
+    tier = bsched.side.cluster.tier
+    assert tier._publisher.is_alive() and not tier.client._closed.is_set()
+    bsched.shutdown()
+    assert not tier._publisher.is_alive() and tier.client._closed.is_set()
+    assert bsched.side.cluster is None
+    bsched.shutdown()  # a second shutdown (the fixture's) finds nothing left to close

@@ -6,6 +6,7 @@ trip) so each rule is checked alone; the runner-driven tests cover the usual
 flow. Written against mutation-testing survivors of connector/scheduler_side.py.
 """
 
+import logging
 import os
 from collections import Counter
 
@@ -503,3 +504,10 @@ def test_a_dropped_load_of_an_item_another_step_also_loads_leaves_that_load_held
     stats = sched.offload_stats()
     assert stats["items_loaded"] == 1 and stats["unexpected_reports"] == 0
     assert not sched.side._loading
+
+
+def test_without_a_cluster_tier_admission_admits_at_once_and_logs_nothing(sched, caplog):
+    request = make_request("r", [("img", 4)])
+    with caplog.at_level(logging.DEBUG, logger="ecoffload"):
+        assert sched.ensure_cache_available(request, 0)
+    assert sched.side.cluster is None and caplog.records == []
