@@ -22,6 +22,10 @@ removed; every function of a module new since REV): mutmut 3's ``mutmut run`` ta
 the names as globs (``ecoffload.kernels.plan.x_plan_copy__mutmut_*``), and the
 rate printed is over those mutants alone. The module's other functions keep their
 earlier measurement only while no test of their list was removed since.
+
+Tests that cannot run in a forked child (``FRESH_PROCESS``: the cluster tier's, whose
+Mooncake client hangs in a child forked after its parent used one) are kept out of
+mutmut's run and run afterwards on each mutant it did not detect, in a new interpreter.
 """
 
 from __future__ import annotations
