@@ -10,6 +10,7 @@ its arena, then vLLM's ordinary path loads them: compared bit for bit with
 what A's encoder made.
 """
 
+import json
 import logging
 import time
 
@@ -34,6 +35,7 @@ from ecoffload.connector.shared_arena import default_arena_name
 from ecoffload.engine.cluster.master import MasterProcess
 from ecoffload.engine.cluster.store import store_missing
 from ecoffload.engine.cluster.value import random_key_file
+from ecoffload.engine.remote.nixl_setup import nixl_available
 
 pytestmark = pytest.mark.skipif(bool(store_missing()), reason=str(store_missing()))
 IMAGES = [("img-a", 5, 1), ("img-b", 33, 2), ("img-c", 300, 3)]  # (key, rows, seed)
@@ -235,3 +237,71 @@ def test_the_scheduler_s_shutdown_closes_its_cluster_tier(hosts):
     assert not tier._publisher.is_alive() and tier.client._closed.is_set()
     assert bsched.side.cluster is None
     bsched.shutdown()  # a second shutdown (the fixture's) finds nothing left to close
+
+
+NIXL = {"host": "127.0.0.1", "window_bytes": "4MiB", "lease_s": 30, "timeout_s": 10}
+
+
+@pytest.mark.skipif(
+    not nixl_available(), reason="NIXL is not installed: pip install ecoffload[nixl]"
+)
+def test_a_request_with_params_on_a_host_with_both_tiers_is_pulled_not_looked_up(
+    arena_dir, model_config, master, tmp_path
+):
+    """NIXL params name where the items are: the request is pulled from there, never held
+    for a store lookup; and when its params are of no use, each of its misses is counted
+    once, however often the same items are asked for that way."""
+    cluster = {"master": master.address, "metadata": master.metadata, "host": "127.0.0.1",
+               "segment_bytes": "16MiB", "key_file": random_key_file(str(tmp_path / "k")),
+               "fetch_timeout_s": 5}  # fmt: skip
+    made = [
+        make_pair(make_config(arena_dir, "ec_producer", model_config, arena_name="host-a",
+                              nixl=NIXL)),
+        make_pair(make_config(arena_dir, "ec_both", model_config, arena_name="host-b",
+                              block_bytes="8KiB", nixl=NIXL, cluster=cluster)),
+    ]  # fmt: skip
+    try:
+        (psched, pworker), (csched, cworker) = made
+        assert csched.side.cluster.tier.client.wait_connected(30)
+        images = IMAGES[:2]
+        _, params = psched.request_finished(produce(psched, pworker, "p1", images))
+        request = make_request("c1", [(k, rows) for k, rows, _ in images])
+        request.ec_transfer_params = json.loads(json.dumps(params))  # as a proxy forwards it
+        assert admit(csched, request) >= 1  # held for the pull
+        stats = csched.side.stats()
+        assert stats["remote_items_pulled"] == len(images) and stats["cluster_lookups"] == 0
+        assert schedule(csched, request) == [True] * len(images)
+        worker_step(cworker, step(csched), {}, {})
+        # params of no use (another model's), twice for the same items: encoded, each
+        # request's misses counted once
+        misses = csched.side.stats()["misses"]
+        for i in range(2):
+            other = make_request(f"c-other-{i}", [("never-a", 3), ("never-b", 4)])
+            other.ec_transfer_params = {**json.loads(json.dumps(params)),
+                                        "layout": "ecoffload-0123456789ab"}  # fmt: skip
+            admit(csched, other)
+            assert schedule(csched, other) == [False, False]
+            step(csched)
+        stats = csched.side.stats()
+        assert stats["misses"] == misses + 4 and stats["cluster_lookups"] == 0
+        # an item missed at a cluster admission (counted there once), a request held and
+        # finished before it was scheduled, then a request with useless params for the
+        # first item and a new one: each of its misses is counted
+        plain = make_request("c-plain", [("never-c", 3)])
+        admit(csched, plain)
+        assert schedule(csched, plain) == [False]
+        step(csched)
+        gone = make_request("c-gone", [("never-d", 3)])
+        assert not csched.ensure_cache_available(gone, 0)
+        csched.request_finished(gone)
+        both = make_request("c-both", [("never-c", 3), ("never-e", 4)])
+        both.ec_transfer_params = {**json.loads(json.dumps(params)),
+                                   "layout": "ecoffload-0123456789ab"}  # fmt: skip
+        admit(csched, both)
+        assert schedule(csched, both) == [False, False]
+        stats = csched.side.stats()
+        assert stats["misses"] == misses + 4 + 4 and stats["cluster_lookups"] == 1
+    finally:
+        for sched, worker in reversed(made):
+            worker.shutdown()
+            sched.shutdown()
