@@ -162,10 +162,6 @@ class TtftResult:
     cluster_fetched: float = 0.0  # by the third server during those requests (/metrics)
     cluster_saved: float = 0.0  # its encoder's outputs meanwhile (must stay 0)
     cluster_tokens_identical: bool = False
-    # vLLM's processor cache on every server (GiB; None: vLLM's default, 4). It keeps
-    # a processed image by its hash: a repeat on the same server skips the processor
-    # (resize, normalise), a cluster hit is that server's first sight of the image.
-    processor_cache_gb: float | None = None
 
     def ratios(self) -> list[float]:
         """Per repeated image: TTFT without the connector / with ecoffload."""
@@ -190,7 +186,6 @@ def run(
     component_runs: int = 5,
     log_dir: str | None = None,
     cluster: bool = False,
-    processor_cache_gb: float | None = None,
 ) -> TtftResult:
     """Start the servers (and with ``cluster`` a master), measure, stop them (SIGINT,
     then the group is killed)."""
@@ -210,9 +205,6 @@ def run(
         max_tokens, shape, 2 * shape[0] * shape[1],  # bfloat16, as the servers run
     )  # fmt: skip
     result.cluster = cluster
-    result.processor_cache_gb = processor_cache_gb
-    if processor_cache_gb is not None and processor_cache_gb < 0:
-        raise ValueError(f"expected a processor cache of 0 GiB or more, got {processor_cache_gb}")
     result.load_average.append(os.getloadavg()[0])
     budget = ENCODER_CACHE_IMAGES * g.num_image_tokens
     with contextlib.ExitStack() as stack:
@@ -271,25 +263,22 @@ def _serve_and_measure(
 ) -> None:
     """The servers: first sights, then ``result.rounds`` rounds of repeats, the order
     rotating; with ``tier``, the cluster server joins the first repeat round."""
-    cache_gb = result.processor_cache_gb
-    extra = () if cache_gb is None else ("--mm-processor-cache-gb", f"{cache_gb:g}")
     arena_name = f"ecoffload-ttft-{uuid.uuid4().hex[:12]}"
     names = [arena_name] + ([f"{arena_name}-cluster"] if tier else [])
     with contextlib.ExitStack() as stack:
         plain = stack.enter_context(Server.start(
-            model_dir, connector=False, max_num_batched_tokens=budget, extra_args=extra,
+            model_dir, connector=False, max_num_batched_tokens=budget,
             log_path=os.path.join(logs, "without-connector.log"),
         ))  # fmt: skip
         offload = stack.enter_context(Server.start(
             model_dir, connector=True, arena_dir=arena_dir, arena_name=names[0], cluster=tier,
             max_num_batched_tokens=budget, log_path=os.path.join(logs, "with-ecoffload.log"),
-            extra_args=extra,
         ))  # fmt: skip
         servers = {"plain": plain, "offload": offload}
         if tier:
             servers["cluster"] = stack.enter_context(Server.start(
                 model_dir, connector=True, arena_dir=arena_dir, arena_name=names[1],
-                cluster=tier, max_num_batched_tokens=budget, extra_args=extra,
+                cluster=tier, max_num_batched_tokens=budget,
                 log_path=os.path.join(logs, "cluster-hits.log"),
             ))  # fmt: skip
         clients = {side: server.client(timeout_s=300.0) for side, server in servers.items()}
@@ -486,10 +475,6 @@ def _x(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}x [{min(values):.2f} - {max(values):.2f}]"
 
 
-def _cache(gb: float | None) -> str:
-    return "at its default (4 GiB)" if gb is None else "off" if gb == 0 else f"{gb:g} GiB"
-
-
 def table(result: TtftResult) -> str:
     """The Markdown table ``main`` prints."""
     g = result.geometry
@@ -518,8 +503,7 @@ def table(result: TtftResult) -> str:
         f"{g['patch_size']} -> {g['num_image_tokens']} tokens, hidden {g['vision_hidden']}, "
         f"{g['vision_layers']} layers; Gemma hidden {g['text_hidden']}, {g['text_layers']} "
         f"layers. {result.images} images cycled, encoder cache of {ENCODER_CACHE_IMAGES}, "
-        f"{result.rounds} rounds of repeats, {result.max_tokens} greedy tokens; vLLM's "
-        f"processor cache {_cache(result.processor_cache_gb)}; medians "
+        f"{result.rounds} rounds of repeats, {result.max_tokens} greedy tokens; medians "
         f"[min - max]; load average {result.load_average[0]:.2f} -> "
         f"{result.load_average[-1]:.2f}\n"
     )
@@ -591,11 +575,6 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add a mooncake_master and a third server whose repeats are cluster hits",
     )
-    parser.add_argument(
-        "--processor-cache-gb", type=float, metavar="GB",
-        help="vLLM's processor cache on every server (default: vLLM's, 4 GiB; 0: off, so "
-             "a repeat pays the processor as a cluster hit does)",
-    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
     parser.add_argument(
         "--embed-seconds",
@@ -612,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
           "PaliGemma (a minute or two each on a small CPU)...", flush=True)  # fmt: skip
     result = run(
         args.vision, images=args.images, rounds=args.rounds, max_tokens=args.max_tokens,
-        log_dir=args.log_dir, cluster=args.cluster, processor_cache_gb=args.processor_cache_gb,
+        log_dir=args.log_dir, cluster=args.cluster,
     )  # fmt: skip
     print(json.dumps(asdict(result), indent=2) if args.json else "\n" + table(result))
     return 0 if passed(result) else 1

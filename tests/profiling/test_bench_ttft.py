@@ -140,16 +140,3 @@ def test_the_cluster_tier_s_master_serves_the_run_and_is_gone_after(tmp_path):
         host, port = tier["master"].rsplit(":", 1)
         assert reachable(host, int(port))
     assert not reachable(host, int(port))
-
-
-def test_refuses_a_negative_processor_cache():
-    with pytest.raises(ValueError, match="processor cache of 0 GiB or more, got -1"):
-        bench_ttft.run("tiny", images=3, rounds=1, processor_cache_gb=-1)
-
-
-@pytest.mark.parametrize(
-    ("gb", "said"), [(None, "at its default (4 GiB)"), (0.0, "off"), (0.5, "0.5 GiB")]
-)
-def test_the_table_says_how_vllm_s_processor_cache_was_set(gb, said):
-    result = measured(processor_cache_gb=gb, load_average=[1.0, 2.0])
-    assert f"vLLM's processor cache {said};" in bench_ttft.table(result)
