@@ -138,6 +138,20 @@ def is_writer_rank() -> bool:
     return not any(ranks)
 
 
+def items_named_by_content(vllm_config: Any) -> bool:
+    """Whether vLLM names a multimodal item after its content's hash (the identifier every
+    tier keys items by). It does unless both its processor cache and prefix caching are
+    off (``--mm-processor-cache-gb 0 --no-enable-prefix-caching``): then it skips the hash
+    and names each item after a per-process request counter (``renderer0-mm-1-image-0``),
+    a name the next process, or this one after a restart, gives to another image."""
+    model = vllm_config.model_config
+    multimodal = getattr(model, "multimodal_config", None) if model is not None else None
+    if multimodal is None:
+        return True  # no multimodal model: no item to name
+    prefix_caching = getattr(vllm_config.cache_config, "enable_prefix_caching", False)
+    return multimodal.mm_processor_cache_gb != 0 or bool(prefix_caching)
+
+
 def encoder_row_bytes(vllm_config: Any, modality: str) -> int | None:
     """Best guess of the bytes of one encoder output row of ``modality``, or None.
 

