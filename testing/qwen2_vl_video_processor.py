@@ -13,37 +13,19 @@ given (vLLM samples them when it decodes the video).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import transformers
 from transformers.feature_extraction_utils import BatchFeature
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
 
 # Without torchvision, transformers exports no VideoProcessorMixin, and a processor checks
 # its video processor against that name: every video processor would be refused.
 if not hasattr(transformers, "VideoProcessorMixin"):
     transformers.VideoProcessorMixin = VideoProcessorMixin  # type: ignore[attr-defined]
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
-    """Qwen2-VL's target size: both sides multiples of ``factor``, the area within
-    ``[min_pixels, max_pixels]``, the aspect ratio kept as nearly as that allows."""
-    if max(height, width) > 200 * min(height, width):
-        raise ValueError(f"expected an aspect ratio below 200, got {height} x {width} frames")
-    h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h, w = (
-            math.floor(height / beta / factor) * factor,
-            math.floor(width / beta / factor) * factor,
-        )
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return max(h, factor), max(w, factor)
 
 
 class TinyQwen2VLVideoProcessor(BaseVideoProcessor):
@@ -93,7 +75,7 @@ class TinyQwen2VLVideoProcessor(BaseVideoProcessor):
         flat, grids = [], []
         for video in videos:  # (T, 3, H, W), uint8
             frames = video.to(torch.float32)
-            if do_resize:
+            if do_resize:  # transformers' own rule, the one vLLM counts a video's tokens by
                 h, w = smart_resize(frames.shape[-2], frames.shape[-1], patch * merge,
                                     size.shortest_edge, size.longest_edge)  # fmt: skip
                 frames = F.interpolate(frames, size=(h, w), mode="bicubic", antialias=True)
