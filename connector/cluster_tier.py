@@ -9,10 +9,11 @@ Per step, on the scheduler's thread::
                                    r is admitted once its lookup found nothing or
                                    its fetch ended (fetched items are then READY
                                    in the arena and load as ordinary hits; the
-                                   others are encoded locally); a fetch that
-                                   ended since the last step is polled (its
-                                   items committed) here, so r is admitted in
-                                   this step, not the next
+                                   others are encoded locally); r's fetch still
+                                   in flight is waited for here (within the
+                                   step's bound below), and a fetch that has
+                                   ended is polled (its items committed) here,
+                                   so r is admitted in this step, not the next
     build_connector_meta()      -> step(): unpins what the publisher finished;
                                    advances fetches; then ONE batched lookup of
                                    every item noted this step, and ONE batched
@@ -22,10 +23,13 @@ Per step, on the scheduler's thread::
 
 A request is held at most one step for its lookup plus the fetch's bound
 (``fetch_timeout_s``); the master unreachable makes every lookup a miss at once.
-While a request waits on a fetch, step() first waits for it at most
-:data:`HOLD_YIELD_S`: vLLM steps again at once while a request is held, and a
-scheduler thread that never sleeps hands the GIL to the fetch lane (whose header,
-MAC and CRC-32 checks are Python) only every switch interval (5 ms).
+While a request waits on a fetch, its admission (and then step(), for what is
+left) waits for it at most :data:`HOLD_YIELD_S` per step: vLLM steps again at
+once while a request is held, and a scheduler thread that never sleeps hands the
+GIL to the fetch lane (whose header, MAC and CRC-32 checks are Python) only every
+switch interval (5 ms). The wait sits in the admission so that a fetch ending
+during it admits its request in that step: waited for in step() (after the
+step's admissions), it was admitted one engine iteration later.
 
 Each request admitted after a fetch logs one INFO line (``vllm.ecoffload_cluster_hold``)
 with its hold phase by phase, in ms after admission first held it: the lookup's
@@ -94,6 +98,7 @@ class ClusterConsumer:
         self._ready: set[str] = set()  # requests whose lookup or fetch ended
         self._holds: dict[str, dict[str, float]] = {}  # request -> monotonic times, steps
         self._hold_fetch: dict[str, ClusterFetch] = {}  # request -> its fetch (its times)
+        self._yield_until: float | None = None  # this step's waits end by then
 
     def admit(
         self, request: Request, num_computed_tokens: int, is_local: Callable[[str], bool]
@@ -102,8 +107,11 @@ class ClusterConsumer:
         is pinned and promised to the step, so it costs no second lookup later)."""
         rid = request.request_id
         f = self._fetching.get(rid)
-        if f is not None and f.future is not None and f.future.done():
-            self.tier.poll(f)  # ended since the last step: commit now, admit this step
+        if f is not None and f.future is not None:
+            if not f.future.done():
+                self._yield([f.future])
+            if f.future.done():
+                self.tier.poll(f)  # ended: commit now, admit this step
             if f.state != "pending":
                 del self._fetching[rid]
                 self._ready.add(rid)
@@ -143,13 +151,22 @@ class ClusterConsumer:
             ms.get("committed", -1), (now - hold["noted"]) * 1e3, hold["steps"],
         )  # fmt: skip
 
+    def _yield(self, futures: list[cf.Future]) -> None:
+        """Wait for any of ``futures``, at most what is left of this step's
+        :data:`HOLD_YIELD_S` (admissions and :meth:`step` share it)."""
+        now = time.monotonic()
+        if self._yield_until is None:
+            self._yield_until = now + HOLD_YIELD_S
+        if futures and self._yield_until > now:
+            cf.wait(futures, timeout=self._yield_until - now, return_when=cf.FIRST_COMPLETED)
+
     def step(self) -> None:
         tier = self.tier
         for hold in self._holds.values():
             hold["steps"] += 1
         if self._fetching:
-            waits = [f.future for f in self._fetching.values() if f.future is not None]
-            cf.wait(waits, timeout=HOLD_YIELD_S, return_when=cf.FIRST_COMPLETED)
+            self._yield([f.future for f in self._fetching.values() if f.future is not None])
+        self._yield_until = None  # the next admission belongs to the next step
         tier.step()
         self._fetches = [f for f in self._fetches if tier.poll(f) == "pending"]
         for rid, f in list(self._fetching.items()):
