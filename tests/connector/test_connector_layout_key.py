@@ -108,3 +108,22 @@ def test_a_model_without_multimodal_inputs_has_no_item_names_to_check(models):
     config = make_config("/tmp", model_config=models["base"])
     config.cache_config.enable_prefix_caching = False
     assert config.model_config.multimodal_config is None and items_named_by_content(config)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"images_kwargs": {"size": 4}}])
+def test_a_client_s_uuid_names_its_item_whatever_its_bytes(kwargs):
+    """What README's trust model says of ``multi_modal_uuids``: vLLM names an item by
+    the client's uuid (hashed with the request's processor kwargs, if any), not by its
+    content, so two different images under one uuid are one item to every tier."""
+    from PIL import Image
+    from vllm.multimodal.parse import MultiModalDataParser, parse_mm_uuids
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
+    images = [Image.new("RGB", (8, 8), colour) for colour in ((255, 0, 0), (0, 0, 255))]
+    items = MultiModalDataParser().parse_mm_data({"image": images})
+    named = ProcessorInputs([1], items, parse_mm_uuids({"image": ["mine", "mine"]}),
+                            hf_processor_mm_kwargs=kwargs).get_mm_hashes("m", "blake3")  # fmt: skip
+    hashed = ProcessorInputs([1], items, hf_processor_mm_kwargs=kwargs).get_mm_hashes("m", "blake3")
+    assert hashed["image"][0] != hashed["image"][1]  # by content: two items
+    assert named["image"][0] == named["image"][1]  # by the client's uuid: one
+    assert (named["image"][0] == "mine") == (not kwargs)
