@@ -50,6 +50,7 @@ are dropped and counted).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,7 +59,9 @@ from typing import Any
 from ..engine.arena.format import POPULATE_MODES, PopulateMode, check_arena_name
 from ..engine.base.errors import ArenaError, ClusterError, ConfigError
 from ..engine.base.sizes import parse_bytes
-from ..engine.cluster.value import load_key
+from ..engine.cluster.value import key_file_exposure, load_key
+
+log = logging.getLogger(__name__)
 
 DEFAULTS: dict[str, Any] = {
     "arena_bytes": "4GiB",
@@ -229,6 +232,9 @@ class ClusterConfig:
                 load_key(key_file)
             except ClusterError as exc:
                 raise ConfigError(f"cluster.key_file: {exc}") from None
+            exposed = key_file_exposure(key_file)
+            if exposed:
+                log.warning("ecoffload: cluster.key_file: %s", exposed)
         t = v["fetch_timeout_s"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e6:
             raise ConfigError(f"cluster.fetch_timeout_s must be a positive number, got {t!r}")

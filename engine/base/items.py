@@ -27,11 +27,19 @@ def dtype_from_name(name: str) -> Any:
     if dtype is None:
         import torch
 
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype):
+        # vars(), not getattr(): torch's module __getattr__ imports modules for some
+        # names ("onnx", "_inductor"), and a name may come from another host's bytes.
+        dtype = vars(torch).get(name)
+        if not isinstance(dtype, torch.dtype) or dtype in _quantized(torch):
             raise ValueError(f"{name!r} is not a torch dtype name (e.g. 'bfloat16')")
         _BY_NAME[name] = dtype
     return dtype
+
+
+def _quantized(torch: Any) -> set:
+    """Quantized dtypes: no plain tensor of them can be made (``torch.empty`` fails)."""
+    names = ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    return {d for d in (vars(torch).get(n) for n in names) if d is not None}
 
 
 def item_crc32(data, extents: Iterable[tuple[int, int]], block_bytes: int, nbytes: int) -> int:

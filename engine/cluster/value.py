@@ -69,6 +69,21 @@ def load_key(path: str) -> bytes:
     return hashlib.blake2b(raw, digest_size=32, person=b"ecoffload-key").digest()
 
 
+def key_file_exposure(path: str) -> str | None:
+    """Why ``path`` exposes the cluster key to other local users (readable or writable
+    by its group or by others), or None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if not mode & 0o077:
+        return None
+    return (
+        f"cluster key file {path!r} has mode {mode & 0o777:o}: other local users can read "
+        "or replace the key and forge values every instance serves; `chmod 600` it"
+    )
+
+
 def pack_header(nbytes: int, dtype: str, shape: Sequence[int]) -> bytearray:
     """A header without its MAC (see :func:`seal`)."""
     name = dtype.encode("ascii")
@@ -132,7 +147,8 @@ def verify(raw_header: bytes, key: bytes | None, store_key: str, parts: Iterable
 
 def random_key_file(path: str) -> str:
     """Write a fresh random cluster key to ``path`` (mode 600); returns ``path``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
     with os.fdopen(fd, "w") as f:
         f.write(os.urandom(32).hex() + "\n")
     return path

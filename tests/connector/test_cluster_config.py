@@ -80,3 +80,27 @@ def test_any_value_of_any_key_is_a_config_or_a_config_error(key, bad):
         return
     assert isinstance(got, ClusterConfig) and got.fetch_timeout_s > 0
     assert got.segment_bytes > 0 and math.isfinite(got.fetch_timeout_s)
+
+
+def test_a_key_file_other_users_can_read_is_warned_about(tmp_path, caplog):
+    import logging
+    import os
+
+    caplog.set_level(logging.WARNING)
+    key = random_key_file(str(tmp_path / "key"))
+    ClusterConfig.from_value({**GOOD, "key_file": key})
+    assert not [r for r in caplog.records if "key_file" in r.getMessage()]
+    os.chmod(key, 0o644)
+    ClusterConfig.from_value({**GOOD, "key_file": key})
+    said = [r.getMessage() for r in caplog.records if "key_file" in r.getMessage()]
+    assert len(said) == 1 and "mode 644" in said[0] and "chmod 600" in said[0]
+
+
+def test_a_key_file_written_over_an_open_one_is_made_private(tmp_path):
+    import os
+
+    path = tmp_path / "key"
+    path.write_text("old\n")
+    os.chmod(path, 0o644)
+    random_key_file(str(path))
+    assert os.stat(path).st_mode & 0o077 == 0

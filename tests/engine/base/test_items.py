@@ -39,3 +39,25 @@ def test_a_name_that_is_no_torch_dtype_is_refused_by_name(name):
         dtype_from_name(name)
     assert str(err.value) == f"{name!r} is not a torch dtype name (e.g. 'bfloat16')"
     assert name not in items._BY_NAME
+
+
+def test_a_name_never_imports_a_module_and_a_dtype_no_tensor_can_hold_is_refused():
+    # Names come from the cluster store's value headers (unauthenticated without a
+    # cluster key): torch's module __getattr__ imports torch.onnx for "onnx", and
+    # quantized dtypes pass getattr but no tensor of them can be made to load into.
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch\n"
+        "from ecoffload.engine.base.items import dtype_from_name\n"
+        "try:\n    dtype_from_name('onnx')\nexcept ValueError:\n    pass\n"
+        "print('torch.onnx' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert out.stdout.strip() == "False", "a dtype name imported torch.onnx"
+    for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4"):
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            with pytest.raises(ValueError, match="not a torch dtype name"):
+                dtype_from_name(name)
