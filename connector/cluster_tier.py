@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from ..engine.cluster.store import StoreClient, StoreSettings
 from ..engine.cluster.tier import COUNTERS as TIER_COUNTERS
-from ..engine.cluster.tier import ClusterFetch, ClusterTier
+from ..engine.cluster.tier import ClusterFetch, ClusterTier, Expected
 from ..engine.cluster.value import load_key
 from ..engine.remote.nixl_setup import outward_ip
 from .config import ClusterConfig
@@ -72,7 +72,9 @@ class ClusterConsumer:
     """Lookups, fetches and publishes of one scheduler (see the module docstring)."""
 
     def __init__(self, arena: Arena, catalog: SharedCatalog, config: ClusterConfig, *, layout: str,
-                 publish: bool) -> None:  # fmt: skip
+                 publish: bool, item_bytes: Callable[[str, int], int | None]) -> None:  # fmt: skip
+        """``item_bytes(modality, rows)``: an item's size as the scheduler knows it, or
+        None (checked against the store's size before a fetch reserves anything)."""
         settings = StoreSettings(
             master=config.master,
             metadata=config.metadata,
@@ -91,7 +93,8 @@ class ClusterConsumer:
             publish=publish and config.publish,
             queue_items=config.publish_queue,
         )
-        self._asked: dict[str, list[str]] = {}  # request -> its local misses, this step
+        self._item_bytes = item_bytes
+        self._asked: dict[str, dict[str, Expected]] = {}  # request -> its local misses, this step
         self._fetching: dict[str, ClusterFetch] = {}  # request -> the fetch bringing its items
         self._fetches: list[ClusterFetch] = []  # pending, whether or not a request waits
         self._inflight: dict[str, ClusterFetch] = {}  # key -> the fetch bringing it
@@ -121,15 +124,16 @@ class ClusterConsumer:
             return True
         if rid in self._fetching or rid in self._asked:
             return False
-        misses = []
-        for feature in request.mm_features:
+        misses: dict[str, Expected] = {}
+        for index, feature in enumerate(request.mm_features):
             key, pos = feature.identifier, feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens:
                 continue  # already computed: not needed
             if key in self._inflight:
                 return False  # another request's fetch brings it: wait for that one
             if not is_local(key):
-                misses.append(key)
+                rows = request.get_num_encoder_embeds(index)
+                misses[key] = Expected(rows, self._item_bytes(feature.modality, rows))
         if not misses or not self.tier.available:
             return True
         self._asked[rid] = misses
@@ -177,14 +181,15 @@ class ClusterConsumer:
         if not self._asked:
             return
         asked, self._asked = self._asked, {}
-        keys = sorted({k for ks in asked.values() for k in ks})
+        expected = {k: e for ks in asked.values() for k, e in ks.items()}
+        keys = sorted(expected)
         looked = [time.monotonic()]
         sizes = tier.lookup(keys)  # the step's one existence query
         looked.append(time.monotonic())
         if not sizes:
             self._ready.update(asked)
             return
-        f = tier.fetch(sizes)  # the step's one batched get
+        f = tier.fetch(sizes, expected)  # the step's one batched get
         for rid in asked:
             if rid in self._holds:
                 self._holds[rid].update(lookup=looked[0], looked=looked[1])

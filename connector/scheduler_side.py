@@ -116,6 +116,7 @@ class SchedulerSide:
                 self.cluster = ClusterConsumer(
                     self.arena, self.catalog, config.cluster,
                     layout=default_arena_name(vllm_config), publish=self.producer,
+                    item_bytes=self._item_bytes,
                 )  # fmt: skip
             except BaseException:
                 self.shutdown()
@@ -186,10 +187,8 @@ class SchedulerSide:
         if key in self._loads or not self.producer:
             return  # loading, or not ours to save
         rows = request.get_num_encoder_embeds(index)
-        row_bytes = self._row_bytes.get(feature.modality) or self._config_row_bytes(
-            feature.modality
-        )
-        if not row_bytes or not rows:
+        nbytes = self._item_bytes(feature.modality, rows)
+        if nbytes is None:
             # Size unknown yet: the worker's report of this item teaches it (unless some
             # instance is saving it already), and the next item is saved.
             if self._reports and self.catalog.state(key) is None:
@@ -197,7 +196,7 @@ class SchedulerSide:
             return
         try:  # one lock round trip: reserve refuses a key any instance saved or is saving
             with nvtx_range("ecoffload.reserve"):
-                entry = self.catalog.reserve(key, rows * row_bytes)
+                entry = self.catalog.reserve(key, nbytes)
         except DuplicateItemError:
             return
         if entry is None:
@@ -207,6 +206,12 @@ class SchedulerSide:
         if self._reports:  # a worker report settles it (and its size, if refused), then drops it
             self._sizes[key] = (feature.modality, rows)
             self._writing[key] = (entry.nbytes, entry.generation)
+
+    def _item_bytes(self, modality: str, rows: int) -> int | None:
+        """An item's size: its rows times the bytes per row (learned from the worker's
+        reports, else from the config), or None where either is unknown."""
+        row_bytes = self._row_bytes.get(modality) or self._config_row_bytes(modality)
+        return rows * row_bytes if row_bytes and rows else None
 
     def _config_row_bytes(self, modality: str) -> int | None:
         """Bytes per encoder output row as the model config gives them (read once per

@@ -240,6 +240,13 @@ class StoreClient:
             log.warning("ecoffload: cluster %s call failed: %r", kind, exc)
             return None
 
+    def running(self, kind: str) -> cf.Future | None:
+        """The ``kind`` lane's last call while it still runs (e.g. one its caller gave
+        up on after its bound), else None."""
+        with self._lock:
+            future = self._inflight.get(kind)
+        return future if future is not None and not future.done() else None
+
     def timed_out(self) -> None:
         self.timeouts += 1
         self.mark(False)

@@ -6,10 +6,13 @@ scheduler; Mooncake calls run on :class:`~.store.StoreClient`'s lanes)::
 
     sizes = tier.lookup(local_misses)      one batched existence query (and, for
                                            the hits only, one batched size query)
-    f = tier.fetch(sizes)                  reserve blocks per item; one batched get
+    f = tier.fetch(sizes, expected)        reserve blocks per item; one batched get
                                            scattering each value's header into a
                                            small buffer and its bytes straight
-                                           into the item's extents
+                                           into the item's extents (a value whose
+                                           size or rows are not the ones the
+                                           requester expects is not fetched /
+                                           not committed)
     tier.poll(f) once per step:            "pending" | "done" | "error"
         "done": each item whose header and MAC check out is committed (dtype and
         shape from its header): f.fetched; the others are aborted: f.failed
@@ -84,7 +87,21 @@ class ClusterFetch:
     failed: set[str] = field(default_factory=set)
     future: cf.Future | None = field(default=None, repr=False)
     headers: Any = field(default=None, repr=False)
+    rows: dict[str, int] = field(default_factory=dict)  # reserved key -> its expected rows
     times: dict[str, float] = field(default_factory=dict)  # monotonic: posted, got, checked
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the requester knows of an item before fetching it: its rows (vLLM's
+    encoder embeds: the value's first dimension) and, where it knows the bytes per
+    row, its size. Checked because the store's sizes and the values' headers are
+    anyone's to write: a forged size would make the reservation evict the arena's
+    items before the MAC refuses the bytes, and a wrong shape would reach vLLM's
+    step as an item it cannot use."""
+
+    rows: int
+    nbytes: int | None = None
 
 
 def _pieces(base: int, extents: Iterable[tuple[int, int]], block: int, nbytes: int):
@@ -125,6 +142,7 @@ class ClusterTier:
         self._block = arena.block_bytes
         self.counts: collections.Counter = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self._unsettled: list[ClusterFetch] = []
+        self._posted: list[ClusterFetch] = []  # fetches posted, not yet polled to an end
         self._queue: collections.deque = collections.deque()
         self._queue_items = queue_items
         self._to_unpin: collections.deque = collections.deque()
@@ -175,10 +193,26 @@ class ClusterTier:
 
     # fetch --------------------------------------------------------------------------
 
-    def fetch(self, sizes: Mapping[str, int]) -> ClusterFetch:
-        """Reserve blocks for each item and post one batched get into them."""
+    def fetch(
+        self, sizes: Mapping[str, int], expected: Mapping[str, Expected] | None = None
+    ) -> ClusterFetch:
+        """Reserve blocks for each item and post one batched get into them. An item of
+        ``expected`` is fetched only if its stored size is the expected one (where
+        known) and committed only if its header's rows are."""
         f = ClusterFetch(deadline=time.monotonic() + self.fetch_timeout_s)
+        expected = expected or {}
         for key, nbytes in sizes.items():
+            want = expected.get(key)
+            if want is not None and want.nbytes is not None and nbytes != want.nbytes:
+                self.counts["cluster_fetch_failures"] += 1
+                log.warning(
+                    "ecoffload: cluster value of %s holds %d bytes, its request expects %d "
+                    "(%d rows): not fetched, encoded locally (a value not made by this "
+                    "model's instances: forged, or another build's)", key, nbytes,
+                    want.nbytes, want.rows,
+                )  # fmt: skip
+                f.failed.add(key)
+                continue
             try:
                 entry = self.catalog.reserve(key, nbytes, "uint8", (nbytes,))
             except CatalogError:  # saved or fetched meanwhile, or a size it cannot hold
@@ -199,9 +233,11 @@ class ClusterTier:
             ptrs.append([int(f.headers[i].ctypes.data)] + [a for a, _ in pieces])
             lens.append([value.HEADER_BYTES] + [n for _, n in pieces])
         views = {k: self._view(e, n) for k, (_, e, n) in f.reserved.items()}
+        f.rows = {k: expected[k].rows for k in f.reserved if k in expected}
         f.times["posted"] = time.monotonic()
         f.future = self.client.submit(
-            "fetch", lambda s: self._get_and_check(s, names, ptrs, lens, f.headers, views, f.times)
+            "fetch",
+            lambda s: self._get_and_check(s, names, ptrs, lens, f.headers, views, f.rows, f.times),
         )
         if f.future is None:
             self._abort(f.reserved)
@@ -209,10 +245,13 @@ class ClusterTier:
             f.reserved = {}
             f.state = "error"
             self.counts["cluster_fetch_failures"] += 1
+        else:
+            self._posted.append(f)
         return f
 
-    def _get_and_check(self, store, names, ptrs, lens, headers, views, times) -> list:
-        """Fetch lane: the batched get, then each value's header, MAC and CRC-32."""
+    def _get_and_check(self, store, names, ptrs, lens, headers, views, rows, times) -> list:
+        """Fetch lane: the batched get, then each value's header (its rows against
+        ``rows``), MAC and CRC-32."""
         times["started"] = time.monotonic()
         codes = store.batch_get_into_multi_buffers(names, ptrs, lens)
         times["got"] = time.monotonic()
@@ -234,7 +273,11 @@ class ClusterTier:
             if not ok or header is None:
                 out.append(("mac", header, None))
                 continue
-            if header.nbytes != want - value.HEADER_BYTES or not _fits(header):
+            if (
+                header.nbytes != want - value.HEADER_BYTES
+                or not _fits(header)
+                or (key in rows and header.shape[:1] != (rows[key],))
+            ):
                 out.append(("header", header, None))
                 continue
             crc = 0
@@ -280,9 +323,22 @@ class ClusterTier:
             if crc is None:
                 if code == "mac":
                     self.counts["cluster_mac_failures"] += 1
-                    log.warning("ecoffload: cluster value of %s fails its MAC: not served", key)
+                    log.warning(
+                        "ecoffload: cluster value of %s fails its MAC check (this instance %s): "
+                        "not served, encoded locally; if every value fails, give every "
+                        "instance the same cluster.key_file", key,
+                        "accepts only values sealed with its cluster key" if self._key
+                        else "has no cluster key: it refuses sealed values and unparsable ones",
+                    )  # fmt: skip
                 elif code != OBJECT_NOT_FOUND:  # evicted since the lookup: a plain miss
                     self.counts["cluster_fetch_failures"] += 1
+                    if code == "header":
+                        log.warning(
+                            "ecoffload: cluster value of %s: its header says %s %s (%d bytes); "
+                            "%d bytes were stored and its request expects %s rows: not "
+                            "served, encoded locally", key, header.dtype, header.shape,
+                            header.nbytes, nbytes, f.rows.get(key, "any"),
+                        )  # fmt: skip
                 self._abort({key: (generation, None, nbytes)})
                 f.failed.add(key)
                 continue
@@ -369,11 +425,20 @@ class ClusterTier:
         )  # fmt: skip
         if codes is None:
             self.counts["cluster_publish_failures"] += len(todo)
+            self._wait_put()  # past its bound, it may still read the headers and blocks
             return
         self.client.note_codes(codes)
         self.counts["cluster_publishes"] += sum(1 for c in codes if c == 0)
         self.counts["cluster_publish_failures"] += sum(1 for c in codes if c != 0)
         del headers  # kept alive until the put returned
+
+    def _wait_put(self) -> None:
+        """Publisher thread: wait until the publish lane's last call returned (until
+        close), so its items stay pinned and its header buffers alive while it reads."""
+        future = self.client.running("publish")
+        while future is not None and not future.done() and not self._stop:
+            with contextlib.suppress(cf.TimeoutError):
+                future.exception(timeout=0.1)
 
     # every step ---------------------------------------------------------------------
 
@@ -393,6 +458,7 @@ class ClusterTier:
             else:
                 still.append(f)
         self._unsettled = still
+        self._posted = [f for f in self._posted if f.state == "pending"]
 
     def idle(self) -> bool:
         """True when nothing is queued, being published or waiting to be unpinned."""
@@ -417,13 +483,21 @@ class ClusterTier:
             self._publisher.join(timeout_s)
         while self._queue:
             self._to_unpin.append(self._queue.popleft().key)
+        for f in self._posted:  # never polled to its end (its requests went): release it
+            if f.state == "pending":
+                f.failed |= set(f.reserved)
+                f.state = "error"
+                self._unsettled.append(f)
+        self._posted = []
         deadline = time.monotonic() + timeout_s
         for f in self._unsettled:
             with contextlib.suppress(Exception):
                 if f.future is not None:
                     f.future.result(timeout=max(0.0, deadline - time.monotonic()))
-        self.step()
+        # The client first: its close waits (bounded) for calls still running, so a put
+        # past its bound stops reading the blocks before step() unpins them.
         self.client.close(max(0.0, deadline - time.monotonic()))
+        self.step()
 
 
 def _exist_and_sizes(store, names: list[str]) -> tuple[list[int], dict[str, int]]:

@@ -179,6 +179,23 @@ def test_master_gone_admits_at_once_and_encodes(hosts, master):
     assert bsched.side.stats()["cluster_available"] == 0
 
 
+def test_a_stored_value_the_request_s_item_cannot_be_is_not_fetched(hosts):
+    """The scheduler tells the tier each miss's rows and size (rows x the model's bytes
+    per row): a value of another size is refused before it reserves (and could evict)
+    anything, and encoded locally; an item of the right size comes as before."""
+    (asched, aworker), (bsched, _) = hosts()
+    produce(asched, aworker, "a1", IMAGES[:2])
+    wait_published(asched, 2)
+    (key, rows, _), (other, other_rows, _) = IMAGES[:2]
+    request = make_request("b1", [(key, rows + 1), (other, other_rows)])  # key: not A's item
+    admit(bsched, request)
+    stats = bsched.side.stats()
+    assert stats["cluster_hits"] == 2 and stats["cluster_items_fetched"] == 1
+    assert stats["cluster_fetch_failures"] == 1
+    assert bsched.side.catalog.state(key) is None  # nothing reserved for it
+    assert schedule(bsched, request) == [False, True]  # encoded locally; fetched
+
+
 def test_an_item_admitted_twice_in_one_pass_is_pinned_once(hosts):
     """Two requests with the same image admitted in one scheduling pass: the second
     admission finds the first's promise, so the item holds one pin (a second would

@@ -36,7 +36,7 @@ class ScriptedTier:
     def lookup(self, keys):
         return dict.fromkeys(keys, 64)
 
-    def fetch(self, sizes):
+    def fetch(self, sizes, expected=None):
         f = ClusterFetch(deadline=time.monotonic() + 60.0, future=cf.Future())
         f.reserved = {k: (1, [(0, 1)], n) for k, n in sizes.items()}
         f.times["posted"] = time.monotonic()
@@ -56,14 +56,15 @@ def consumer(monkeypatch):
     monkeypatch.setattr(cluster_tier, "HOLD_YIELD_S", BOUND_S)
     config = ClusterConfig(master="127.0.0.1:1", metadata="http://127.0.0.1:2/metadata",
                            host="127.0.0.1")  # fmt: skip
-    return cluster_tier.ClusterConsumer(None, None, config, layout="l", publish=False)  # type: ignore[arg-type]
+    return cluster_tier.ClusterConsumer(None, None, config, layout="l", publish=False,  # type: ignore[arg-type]
+                                        item_bytes=lambda modality, rows: None)  # fmt: skip
 
 
 def request(rid, key):
     pos = SimpleNamespace(offset=0, length=4)
-    return SimpleNamespace(
-        request_id=rid, mm_features=[SimpleNamespace(identifier=key, mm_position=pos)]
-    )
+    feature = SimpleNamespace(identifier=key, mm_position=pos, modality="image")
+    return SimpleNamespace(request_id=rid, mm_features=[feature],
+                           get_num_encoder_embeds=lambda index: 4)  # fmt: skip
 
 
 def held(consumer, rid="r1", key="img"):

@@ -23,7 +23,7 @@ from ecoffload.engine.cache import OffloadCache
 from ecoffload.engine.cluster import value
 from ecoffload.engine.cluster.master import MasterProcess
 from ecoffload.engine.cluster.store import StoreClient, StoreSettings, store_missing
-from ecoffload.engine.cluster.tier import ClusterTier
+from ecoffload.engine.cluster.tier import ClusterTier, Expected
 
 pytestmark = pytest.mark.skipif(bool(store_missing()), reason=str(store_missing()))
 
@@ -102,8 +102,8 @@ def published(tier, n, timeout_s=20.0):
     raise AssertionError(f"publishing did not finish: {dict(tier.counts)}")
 
 
-def fetched(tier, sizes, timeout_s=20.0):
-    f = tier.fetch(sizes)
+def fetched(tier, sizes, timeout_s=20.0, expected=None):
+    f = tier.fetch(sizes, expected)
     deadline = time.monotonic() + timeout_s
     while tier.poll(f) == "pending":
         assert time.monotonic() < deadline, "a fetch stayed pending past its bound"
@@ -339,3 +339,174 @@ def test_a_peer_holding_the_values_killed_mid_run_gives_misses_within_the_bound(
     finally:
         peer.kill()
         peer.wait(10)
+
+
+# Review A: what an attacker who puts bytes in the store can do, and leaks on close.
+
+
+def test_a_fetch_still_posted_at_close_leaves_no_reservation(master, host):
+    # vLLM shuts down while a request waits on a cluster fetch: close() must not
+    # leave that fetch's reservations WRITING in the shared arena (other instances
+    # of the host keep it; only this process's exit would reap them).
+    (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
+    tensors = items(11)
+    save(a, tensors)
+    ta.publish(tensors)
+    published(ta, len(tensors))
+    sizes = tb.lookup(list(tensors))
+    assert len(sizes) == len(tensors)
+    f = tb.fetch(sizes)  # posted, never polled: its requests were aborted
+    assert f.state == "pending"
+    tb.close(timeout_s=15)
+    left = [(e.key, e.state.name) for e in b.catalog.entries() if e.state.name != "READY"]
+    assert not left, f"reservations left after close: {left}"
+
+
+def test_a_value_larger_than_its_looked_up_size_writes_nothing_outside_its_extents(master, host):
+    # The size a lookup reports and the size of the value the get finds can differ
+    # (a stranger replaces the value in between): the get must fail, and write no
+    # byte of the arena outside the item's own bytes.
+    (b, tb) = host("host-b", master)
+    save(b, {"before": torch.full((4096 * 3,), 0x11, dtype=torch.uint8)})
+    payload = bytes(range(256)) * 64  # 16 KiB: 4 blocks
+    header = value.pack_header(len(payload), "uint8", (len(payload),))
+    evil = stranger(master)
+    try:
+        assert evil.put(tb.store_key("swapped"), bytes(header) + payload) == 0
+    finally:
+        evil.close()
+    arena = tb._data.copy()
+    small = 4096 + 5  # what the lookup said before the swap
+    f = tb.fetch({"swapped": small})
+    _, extents, _ = f.reserved["swapped"]
+    start = extents[0][0] * b.arena.block_bytes
+    deadline = time.monotonic() + 20
+    while tb.poll(f) == "pending":
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    tb.step()
+    assert f.failed == {"swapped"} and "swapped" not in b.catalog
+    now = tb._data
+    outside = (arena[:start] != now[:start]).sum() + (
+        arena[start + small :] != now[start + small :]
+    ).sum()
+    assert outside == 0, f"{outside} arena bytes outside the item changed"
+    assert same_bits(b.load(["before"])["before"], torch.full((4096 * 3,), 0x11, dtype=torch.uint8))
+
+
+def test_a_forged_huge_value_does_not_empty_the_arena_before_its_mac_fails(
+    master, host, tmp_path, caplog
+):
+    # With a cluster key, a stranger's value is never served, but its size (which
+    # the store reports, unauthenticated) would decide the reservation: one value the
+    # size of the arena would evict every READY item of every instance on the host
+    # before its MAC is checked. The requester's expected size refuses it first.
+    key = value.load_key(value.random_key_file(str(tmp_path / "cluster.key")))
+    (b, tb) = host("host-b", master, key=key)
+    local = items(12)
+    save(b, local)
+    total = b.arena.num_blocks * b.arena.block_bytes
+    payload = bytes(total - 4096)
+    header = value.pack_header(len(payload), "uint8", (len(payload),))
+    evil = stranger(master)
+    try:
+        assert evil.put(tb.store_key("huge"), bytes(header) + payload) == 0
+    finally:
+        evil.close()
+    sizes = tb.lookup(["huge"])
+    assert sizes == {"huge": len(payload)}
+    caplog.set_level(logging.WARNING, logger="ecoffload.cluster")
+    f = fetched(tb, sizes, expected={"huge": Expected(rows=97, nbytes=97 * 64 * 2)})
+    assert f.failed == {"huge"} and not f.fetched and tb.counts["cluster_fetch_failures"] == 1
+    assert "huge" not in b.catalog and all(k in b.catalog for k in local)  # nothing evicted
+    (said,) = [r.getMessage() for r in caplog.records if "huge" in r.getMessage()]
+    assert f"holds {len(payload)} bytes, its request expects 12416 (97 rows)" in said, said
+    # Without the expectation the same value evicts the arena: what the check is for.
+    f = fetched(tb, sizes)
+    assert f.failed == {"huge"} and tb.counts["cluster_mac_failures"] == 1
+    assert [k for k in local if k not in b.catalog], "the forged size evicted nothing"
+
+
+def test_a_value_with_the_right_size_and_the_wrong_rows_is_not_committed(master, host, caplog):
+    # Without a key a stranger's bytes are served (README), but not as an item of
+    # another shape than its request's: vLLM's step would get an item it cannot use.
+    (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
+    image = {"img": torch.randn(96, 64).to(torch.bfloat16)}
+    save(a, {"img": image["img"].reshape(48, 128)})  # the same bytes, other rows
+    ta.publish(["img"])
+    published(ta, 1)
+    sizes = tb.lookup(["img"])
+    caplog.set_level(logging.WARNING, logger="ecoffload.cluster")
+    f = fetched(tb, sizes, expected={"img": Expected(rows=96, nbytes=96 * 64 * 2)})
+    assert f.failed == {"img"} and "img" not in b.catalog
+    assert any("expects 96 rows" in r.getMessage() for r in caplog.records)
+    f = fetched(tb, sizes, expected={"img": Expected(rows=48)})  # rows right, size unknown
+    assert f.fetched == {"img"} and tuple(b.catalog.entry("img").shape) == (48, 128)
+
+
+def test_without_a_key_a_value_of_a_dtype_no_tensor_can_hold_is_not_committed(master, host):
+    # Without a key a stranger's bytes are served (README), but a header naming a
+    # quantized dtype must not be committed: loading it raises in the worker (vLLM's
+    # step), a crash rather than a wrong answer.
+    (b, tb) = host("host-b", master)
+    payload = bytes(4096 + 7)
+    header = value.pack_header(len(payload), "qint8", (len(payload),))
+    evil = stranger(master)
+    try:
+        assert evil.put(tb.store_key("quantized"), bytes(header) + payload) == 0
+    finally:
+        evil.close()
+    f = fetched(tb, tb.lookup(["quantized"]))
+    assert f.failed == {"quantized"} and "quantized" not in b.catalog
+
+
+def test_a_put_past_its_bound_keeps_its_items_pinned_until_it_returns(arena_dir):
+    # The publisher gives up waiting on a put after fetch_timeout_s, but Mooncake's put
+    # still reads the item's blocks (and its header buffer): unpinning then lets the
+    # blocks be evicted and reused while they are read (another item's bytes published
+    # under this key: served as such where no cluster key is set).
+    import ctypes
+    import threading
+
+    cache = OffloadCache.create("host-slow", arena_bytes="4MiB", block_bytes="4KiB",
+                                directory=arena_dir, device="cpu", register_cuda="never",
+                                shared=True)  # fmt: skip
+    save(cache, {"img": torch.arange(4096, dtype=torch.int32)})
+    release, seen = threading.Event(), []
+
+    class SlowStore:
+        def batch_is_exist(self, names):
+            return [0] * len(names)
+
+        def batch_put_from_multi_buffers(self, names, ptrs, lens):
+            release.wait(20)
+            seen.append(ctypes.string_at(ptrs[0][0], lens[0][0]))
+            return [0] * len(names)
+
+        def close(self):
+            pass
+
+    client = StoreClient(StoreSettings("127.0.0.1:1", "http://127.0.0.1:2/metadata"),
+                         connect=False)  # fmt: skip
+    client._store, client._available = SlowStore(), True
+    tier = ClusterTier(cache.arena, cache.catalog, client, namespace=NS, fetch_timeout_s=0.2)
+    try:
+        tier.publish(["img"])
+        deadline = time.monotonic() + 10
+        while tier.counts["cluster_publish_failures"] == 0:
+            assert time.monotonic() < deadline, dict(tier.counts)
+            time.sleep(0.01)
+        time.sleep(0.1)
+        tier.step()
+        assert cache.catalog.entry("img").pins == 1, "unpinned while its put still reads it"
+        release.set()
+        deadline = time.monotonic() + 10
+        while cache.catalog.entry("img").pins:
+            assert time.monotonic() < deadline, "never unpinned after the put returned"
+            tier.step()
+            time.sleep(0.01)
+        assert value.parse_header(seen[0]).shape == (4096,)
+    finally:
+        release.set()
+        tier.close(timeout_s=5)
+        cache.close()
