@@ -102,6 +102,10 @@ class ClusterConsumer:
         self._holds: dict[str, dict[str, float]] = {}  # request -> monotonic times, steps
         self._hold_fetch: dict[str, ClusterFetch] = {}  # request -> its fetch (its times)
         self._yield_until: float | None = None  # this step's waits end by then
+        # Requests admitted once: vLLM asks again every step while they run (with the tokens
+        # computed so far); their items were settled at that admission (local, fetched, or
+        # encoded by vLLM, whose encoder cache holds them), so they are never held again.
+        self._admitted: set[str] = set()
 
     def admit(
         self, request: Request, num_computed_tokens: int, is_local: Callable[[str], bool]
@@ -109,6 +113,8 @@ class ClusterConsumer:
         """``ensure_cache_available``; ``is_local(key)``: the scheduler's own lookup (a hit
         is pinned and promised to the step, so it costs no second lookup later)."""
         rid = request.request_id
+        if rid in self._admitted:
+            return True
         f = self._fetching.get(rid)
         if f is not None and f.future is not None:
             if not f.future.done():
@@ -121,20 +127,30 @@ class ClusterConsumer:
         if rid in self._ready:
             self._ready.discard(rid)
             self._log_hold(rid)
+            self._admitted.add(rid)
             return True
         if rid in self._fetching or rid in self._asked:
             return False
+        features = request.mm_features
+        if self._inflight and any(
+            f.identifier in self._inflight
+            and f.mm_position.offset + f.mm_position.length > num_computed_tokens
+            for f in features
+        ):
+            # Another request's fetch brings one: wait for that one (before asking the
+            # catalog about any item: each step's asking would count its hits again).
+            return False
         misses: dict[str, Expected] = {}
-        for index, feature in enumerate(request.mm_features):
-            key, pos = feature.identifier, feature.mm_position
+        for index, feature in enumerate(features):
+            pos = feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens:
                 continue  # already computed: not needed
-            if key in self._inflight:
-                return False  # another request's fetch brings it: wait for that one
+            key = feature.identifier
             if not is_local(key):
                 rows = request.get_num_encoder_embeds(index)
                 misses[key] = Expected(rows, self._item_bytes(feature.modality, rows))
         if not misses or not self.tier.available:
+            self._admitted.add(rid)
             return True
         self._asked[rid] = misses
         self._holds[rid] = {"noted": time.monotonic(), "steps": 0}
@@ -172,12 +188,15 @@ class ClusterConsumer:
             self._yield([f.future for f in self._fetching.values() if f.future is not None])
         self._yield_until = None  # the next admission belongs to the next step
         tier.step()
-        self._fetches = [f for f in self._fetches if tier.poll(f) == "pending"]
-        for rid, f in list(self._fetching.items()):
-            if f.state != "pending":
-                del self._fetching[rid]
-                self._ready.add(rid)
-        self._inflight = {k: f for k, f in self._inflight.items() if f.state == "pending"}
+        if self._fetches:  # (each test first: most steps have nothing in flight)
+            self._fetches = [f for f in self._fetches if tier.poll(f) == "pending"]
+        if self._fetching:
+            for rid, f in list(self._fetching.items()):
+                if f.state != "pending":
+                    del self._fetching[rid]
+                    self._ready.add(rid)
+        if self._inflight:
+            self._inflight = {k: f for k, f in self._inflight.items() if f.state == "pending"}
         if not self._asked:
             return
         asked, self._asked = self._asked, {}
@@ -214,6 +233,7 @@ class ClusterConsumer:
         self._ready.discard(request_id)
         self._holds.pop(request_id, None)
         self._hold_fetch.pop(request_id, None)
+        self._admitted.discard(request_id)
 
     def stats(self) -> dict[str, int]:
         return self.tier.stats()

@@ -228,8 +228,14 @@ class SchedulerSide:
         if self.cluster is not None:  # once per step: the lookup, the fetch, publish unpins
             self.cluster.step()
         if self._promised:  # promised, but vLLM did not schedule them: one lock round trip
-            self.catalog.unpin_many(list(self._promised))
-            self._promised.clear()
+            promised, self._promised = self._promised, {}
+            self.catalog.unpin_many(list(promised))
+            # Not served (yet): their hits are uncounted, the lookup that schedules them
+            # counts them (a held request's items would otherwise count at each admission).
+            self.catalog.local.hits -= len(promised)
+            others = sum(1 for entry in promised.values() if entry.producer != self._me)
+            if others:
+                self._counts["hits_from_other_instances"] -= others
         self._step += 1
         loads, saves = self._loads, self._saves
         meta = ECOffloadMetadata(

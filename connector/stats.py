@@ -44,7 +44,7 @@ COUNTERS = (
     "cluster_misses",
     "cluster_items_fetched",  # fetched, verified and committed into the arena
     "cluster_bytes_fetched",
-    "cluster_fetch_failures",  # gets that failed or passed fetch_timeout_s
+    "cluster_fetch_failures",  # items not fetched: get failed or past fetch_timeout_s, or refused
     "cluster_publishes",  # items put into the store
     "cluster_publish_skipped",  # already in the store (at most once)
     "cluster_publish_drops",  # the publish queue was full

@@ -49,6 +49,7 @@ log = logging.getLogger("ecoffload.cluster")
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900
 _MASTER_DOWN = range(-999, -899)  # RPC_FAIL and the other RPC errors
+PROBE_NAME = "ecoffload/probe"  # asked, never written: whether the master answers
 
 
 #: Mooncake's setting of the address its TCP transport listens on and advertises.
@@ -239,6 +240,23 @@ class StoreClient:
         except Exception as exc:  # a Mooncake binding error: never into the caller's step
             log.warning("ecoffload: cluster %s call failed: %r", kind, exc)
             return None
+
+    def probe(self) -> None:
+        """While connected but unavailable: one existence query in the background (at most
+        once per ``retry_s``, never waited on); a good answer marks the store available.
+        Nothing else asks a store marked unavailable where nothing is published (admission
+        looks nothing up meanwhile), so without it such a client would never come back."""
+        if self._available or self._store is None:
+            return
+        future = self.submit("lookup", lambda s: s.batch_is_exist([PROBE_NAME]))
+        if future is not None:
+            future.add_done_callback(self._probed)
+
+    def _probed(self, future: cf.Future) -> None:
+        with contextlib.suppress(Exception):  # no answer: still unavailable
+            codes = future.result()
+            if codes and all(c in (0, 1) for c in codes):
+                self.mark(True)
 
     def running(self, kind: str) -> cf.Future | None:
         """The ``kind`` lane's last call while it still runs (e.g. one its caller gave

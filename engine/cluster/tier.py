@@ -241,10 +241,10 @@ class ClusterTier:
         )
         if f.future is None:
             self._abort(f.reserved)
+            self.counts["cluster_fetch_failures"] += len(f.reserved)  # items, as everywhere
             f.failed |= set(f.reserved)
             f.reserved = {}
             f.state = "error"
-            self.counts["cluster_fetch_failures"] += 1
         else:
             self._posted.append(f)
         return f
@@ -296,7 +296,7 @@ class ClusterTier:
             if time.monotonic() < f.deadline:
                 return "pending"
             self.client.timed_out()
-            self.counts["cluster_fetch_failures"] += 1
+            self.counts["cluster_fetch_failures"] += len(f.reserved)
             log.warning("ecoffload: a cluster fetch of %d item(s) passed its %.1f s bound: "
                         "encoding them locally", len(f.reserved), self.fetch_timeout_s)  # fmt: skip
             f.failed |= set(f.reserved)
@@ -443,22 +443,27 @@ class ClusterTier:
     # every step ---------------------------------------------------------------------
 
     def step(self) -> None:
-        """Unpin what the publisher finished; release abandoned fetches once settled."""
-        done = []
-        while self._to_unpin:
-            done.append(self._to_unpin.popleft())
-        if done:
+        """Unpin what the publisher finished; release abandoned fetches once settled;
+        while the store is unavailable, ask it (in the background) whether it is back."""
+        if not self._stop:
+            self.client.probe()
+        if self._to_unpin:  # (each test first: most steps have nothing to do here)
+            done = []
+            while self._to_unpin:
+                done.append(self._to_unpin.popleft())
             with contextlib.suppress(CatalogError):
                 self.catalog.unpin_many(done)
-        still = []
-        for f in self._unsettled:
-            if f.future is None or f.future.done():  # nothing of it can still write
-                self._abort(f.reserved)
-                f.reserved = {}
-            else:
-                still.append(f)
-        self._unsettled = still
-        self._posted = [f for f in self._posted if f.state == "pending"]
+        if self._unsettled:
+            still = []
+            for f in self._unsettled:
+                if f.future is None or f.future.done():  # nothing of it can still write
+                    self._abort(f.reserved)
+                    f.reserved = {}
+                else:
+                    still.append(f)
+            self._unsettled = still
+        if self._posted:
+            self._posted = [f for f in self._posted if f.state == "pending"]
 
     def idle(self) -> bool:
         """True when nothing is queued, being published or waiting to be unpinned."""

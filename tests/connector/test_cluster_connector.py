@@ -12,6 +12,7 @@ what A's encoder made.
 
 import json
 import logging
+import threading
 import time
 
 import pytest
@@ -322,3 +323,126 @@ def test_a_request_with_params_on_a_host_with_both_tiers_is_pulled_not_looked_up
         for sched, worker in reversed(made):
             worker.shutdown()
             sched.shutdown()
+
+
+def test_a_consumer_only_instance_s_tier_comes_back_when_the_master_does(
+    arena_dir, model_config, master, tmp_path
+):
+    """An instance that publishes nothing (ec_consumer, or ``publish: false``) has no
+    publisher to ask the store again; while its tier is unavailable admission looks
+    nothing up. It must still learn that the master is back (README "Faults")."""
+    cluster = {"master": master.address, "metadata": master.metadata, "host": "127.0.0.1",
+               "segment_bytes": "16MiB", "key_file": random_key_file(str(tmp_path / "k")),
+               "fetch_timeout_s": 5}  # fmt: skip
+    made = [
+        make_pair(make_config(arena_dir, "ec_both", model_config, arena_name="host-a",
+                              cluster=cluster)),
+        make_pair(make_config(arena_dir, "ec_consumer", model_config, arena_name="host-b",
+                              block_bytes="8KiB", cluster=cluster)),
+    ]  # fmt: skip
+    try:
+        (asched, aworker), (bsched, _) = made
+        for sched, _ in made:
+            assert sched.side.cluster.tier.client.wait_connected(30)
+        produce(asched, aworker, "a1", IMAGES[:1])
+        wait_published(asched, 1)
+        key, rows, _ = IMAGES[0]
+        master.kill()
+        gone = make_request("b0", [(key, rows)])
+        admit(bsched, gone)  # the lookup fails: encoded locally
+        bsched.request_finished(gone)
+        assert bsched.side.stats()["cluster_available"] == 0
+        master.start()  # same ports, its objects gone: A publishes again as it goes on
+        deadline, i = time.monotonic() + 60, 0
+        while time.monotonic() < deadline:
+            asched.side.cluster.publish([key])
+            step(asched)
+            i += 1
+            r = make_request(f"b{i}", [(key, rows)])
+            admit(bsched, r)
+            bsched.request_finished(r)
+            step(bsched)  # vLLM's step: build_connector_meta
+            if bsched.side.stats()["cluster_items_fetched"]:
+                break
+            time.sleep(0.3)
+        stats = bsched.side.stats()
+        assert stats["cluster_available"] == 1 and stats["cluster_items_fetched"] == 1, stats
+    finally:
+        for sched, worker in reversed(made):
+            worker.shutdown()
+            sched.shutdown()
+
+
+def test_closing_with_a_fetch_in_flight_leaves_no_reservation(hosts, monkeypatch):
+    """Shutdown while a fetch is posted (not yet past its bound): once its get has
+    returned, its reserved blocks are released, not left WRITING in the shared arena."""
+    (asched, aworker), (bsched, _) = hosts()
+    produce(asched, aworker, "a1", IMAGES[:1])
+    wait_published(asched, 1)
+    tier, gate = bsched.side.cluster.tier, threading.Event()
+    original = tier._get_and_check
+    monkeypatch.setattr(tier, "_get_and_check", lambda *a: gate.wait(10) and original(*a))
+    key, rows, _ = IMAGES[0]
+    request = make_request("b1", [(key, rows)])
+    assert not bsched.ensure_cache_available(request, 0)
+    step(bsched)  # the lookup hits; the fetch is posted and its get waits on the gate
+    assert bsched.side.catalog.state(key) is not None  # reserved (WRITING)
+    threading.Timer(0.3, gate.set).start()
+    bsched.side.cluster.close()  # the get returns within close's bound
+    left = [e.key for e in bsched.side.catalog.entries() if e.state.name == "WRITING"]
+    assert not left, f"reservations left WRITING after close: {left}"
+
+
+def test_a_running_request_is_not_held_again_for_an_item_it_is_computing(hosts):
+    """vLLM calls ensure_cache_available for RUNNING requests too, every step, with the
+    tokens computed so far; an item whose placeholder is partly computed is in vLLM's
+    encoder cache: holding the request for a store lookup only stalls its prefill."""
+    (_, _), (bsched, _) = hosts()
+    request = make_request("b1", [("never-a", 30)])
+    assert admit(bsched, request) == 1  # waiting: one lookup (a miss), then admitted
+    schedule(bsched, request)
+    step(bsched)
+    pos = request.mm_features[0].mm_position
+    assert bsched.ensure_cache_available(request, pos.offset + 10)  # the next chunk
+    step(bsched)
+    assert bsched.side.stats()["cluster_lookups"] == 1
+
+
+def test_a_held_request_s_local_hits_are_counted_once(hosts):
+    """A request with one local item and one in the store: held for the fetch, then
+    scheduled. Each of its items is one hit (the local one is not counted twice)."""
+    (asched, aworker), (bsched, bworker) = hosts()
+    produce(asched, aworker, "a1", IMAGES[1:2])
+    wait_published(asched, 1)
+    produce(bsched, bworker, "b0", IMAGES[:1])  # saved on this host: a local item
+    step(bsched)
+    hits = bsched.side.stats()["hits"]
+    request = make_request("b1", [(k, rows) for k, rows, _ in IMAGES[:2]])
+    assert admit(bsched, request) >= 1
+    assert schedule(bsched, request) == [True, True]
+    assert bsched.side.stats()["hits"] == hits + 2
+
+
+def test_a_request_waiting_on_another_s_fetch_counts_its_misses_once(hosts, monkeypatch):
+    """A request whose item another request's fetch brings waits for that fetch; each
+    step it waits must not count its other items' local misses again."""
+    (asched, aworker), (bsched, _) = hosts()
+    produce(asched, aworker, "a1", IMAGES[:1])
+    wait_published(asched, 1)
+    tier, gate = bsched.side.cluster.tier, threading.Event()
+    original = tier._get_and_check
+    monkeypatch.setattr(tier, "_get_and_check", lambda *a: gate.wait(10) and original(*a))
+    key, rows, _ = IMAGES[0]
+    first = make_request("b1", [(key, rows)])
+    assert not bsched.ensure_cache_available(first, 0)
+    step(bsched)  # its fetch is posted; the get waits on the gate
+    misses = bsched.side.stats()["misses"]
+    second = make_request("b2", [("never-x", 3), (key, rows)])
+    for _ in range(3):  # three steps waiting on the first request's fetch
+        assert not bsched.ensure_cache_available(second, 0)
+        step(bsched)
+    gate.set()
+    admit(bsched, first)
+    admit(bsched, second)
+    assert schedule(bsched, second) == [False, True]
+    assert bsched.side.stats()["misses"] == misses + 1  # never-x: one miss

@@ -510,3 +510,26 @@ def test_a_put_past_its_bound_keeps_its_items_pinned_until_it_returns(arena_dir)
         release.set()
         tier.close(timeout_s=5)
         cache.close()
+
+
+def test_a_fetch_past_its_bound_counts_each_of_its_items(master, host, monkeypatch):
+    """cluster_fetch_failures counts items, whether a get fails for one of them or the
+    whole batch passes its bound."""
+    import threading
+
+    (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
+    tensors = items(13)
+    save(a, tensors)
+    ta.publish(tensors)
+    published(ta, len(tensors))
+    sizes = tb.lookup(list(tensors))
+    gate, original = threading.Event(), tb._get_and_check
+    monkeypatch.setattr(tb, "_get_and_check", lambda *args: gate.wait(10) and original(*args))
+    tb.fetch_timeout_s = 0.3
+    try:
+        f = fetched(tb, sizes)
+        assert f.state == "error" and f.failed == set(tensors)
+        assert tb.counts["cluster_fetch_failures"] == len(tensors)
+    finally:
+        gate.set()
+    assert not [k for k in tensors if k in b.catalog and b.catalog.state(k).name == "READY"]
