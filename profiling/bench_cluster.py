@@ -19,9 +19,9 @@ values, same extents:
 
 The scheduler's cost per step with the tier on and 16 local hits beside the
 tier off (:class:`~.real_path_steps.SchedulerSteps`: vLLM's factory, a real
-``VllmConfig``; the step is ``ensure_cache_available`` of the request, then the
-hooks of 16 hits and the workers' load report), the two connectors'
-steps interleaved.
+``VllmConfig``; the step is ``ensure_cache_available`` of a new request for the
+same 16 items, admitted afresh as each of vLLM's requests is, then the hooks of
+16 hits and the workers' load report), the two connectors' steps interleaved.
 
 A held request's fetch (one 245 KiB item, the tier's whole fetch) while the
 polling thread spins as vLLM's engine does while a request is held (a loop of
@@ -139,10 +139,12 @@ def scheduler_cost(steps: int, master: MasterProcess, tmp: str) -> None:
     try:
         for i in range(steps):
             for name, s in (("off", off), ("on", on)) if i % 2 else (("on", on), ("off", off)):
+                request = s.new_hit_request()  # each step a new request: admitted afresh
                 t = time.perf_counter()
-                assert s.sched.ensure_cache_available(s.hit_request, 0)
-                s.hits()
+                assert s.sched.ensure_cache_available(request, 0)
+                s.hits(request)
                 times[name].append(time.perf_counter() - t)
+                s.sched.request_finished(request)
         lookups = on.sched.side.stats()["cluster_lookups"]
     finally:
         on.close()

@@ -184,12 +184,19 @@ class SchedulerSteps:
         report = self._worker_meta.ECOffloadWorkerMetadata(**fields)
         self.sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=report))
 
-    def hits(self) -> None:
-        """One step loading 16 READY items, then the worker's report that they loaded."""
-        meta = self._step(self.hit_request)
+    def hits(self, request: Any = None) -> None:
+        """One step loading 16 READY items (of ``request``, default :attr:`hit_request`),
+        then the worker's report that they loaded."""
+        meta = self._step(request or self.hit_request)
         if len(meta.loads) != self.items:
             raise AssertionError(f"expected {self.items} loads, the step shipped {meta.loads}")
         self._report(steps={meta.step}, loaded=Counter(self.hit_request_keys()))
+
+    def new_hit_request(self) -> Any:
+        """Another request for the 16 READY items (a new id: admitted afresh; made outside
+        the timed step: vLLM makes it)."""
+        self._fresh += 1
+        return self._request(f"hits-{self._fresh}", self.hit_request_keys())
 
     def hit_request_keys(self) -> list[str]:
         return [f.identifier for f in self.hit_request.mm_features]
