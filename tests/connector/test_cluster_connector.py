@@ -33,6 +33,7 @@ from vllm_harness import (
 )
 
 from ecoffload.connector.shared_arena import default_arena_name
+from ecoffload.engine.base.liveness import ProcessId
 from ecoffload.engine.cluster.master import MasterProcess
 from ecoffload.engine.cluster.store import store_missing
 from ecoffload.engine.cluster.value import random_key_file
@@ -416,11 +417,14 @@ def test_a_held_request_s_local_hits_are_counted_once(hosts):
     wait_published(asched, 1)
     produce(bsched, bworker, "b0", IMAGES[:1])  # saved on this host: a local item
     step(bsched)
-    hits = bsched.side.stats()["hits"]
+    bsched.side._me = ProcessId(1, 1)  # as another instance of the host: both items "theirs"
+    before = bsched.side.stats()
     request = make_request("b1", [(k, rows) for k, rows, _ in IMAGES[:2]])
     assert admit(bsched, request) >= 1
     assert schedule(bsched, request) == [True, True]
-    assert bsched.side.stats()["hits"] == hits + 2
+    after = bsched.side.stats()
+    assert after["hits"] == before["hits"] + 2
+    assert after["hits_from_other_instances"] == before["hits_from_other_instances"] + 2
 
 
 def test_a_request_waiting_on_another_s_fetch_counts_its_misses_once(hosts, monkeypatch):
