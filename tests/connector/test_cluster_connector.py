@@ -76,6 +76,11 @@ def wait_published(sched, n, timeout_s=20.0):
     step(sched)
 
 
+def cluster_config(master, key_file):
+    return {"master": master.address, "metadata": master.metadata, "host": "127.0.0.1",
+            "segment_bytes": "16MiB", "key_file": key_file, "fetch_timeout_s": 5}  # fmt: skip
+
+
 @pytest.fixture
 def master(tmp_path):
     m = MasterProcess(log_path=str(tmp_path / "master.log")).start()
@@ -89,9 +94,7 @@ def hosts(arena_dir, model_config, master, tmp_path):
     key = random_key_file(str(tmp_path / "cluster.key"))
 
     def build(**cluster_extra):
-        cluster = {"master": master.address, "metadata": master.metadata, "host": "127.0.0.1",
-                   "segment_bytes": "16MiB", "key_file": key, "fetch_timeout_s": 5,
-                   **cluster_extra}  # fmt: skip
+        cluster = {**cluster_config(master, key), **cluster_extra}
         for name, block in (("host-a", "4KiB"), ("host-b", "8KiB")):
             pair = make_pair(make_config(arena_dir, "ec_both", model_config, arena_name=name,
                                          block_bytes=block, cluster=cluster))  # fmt: skip
@@ -103,6 +106,14 @@ def hosts(arena_dir, model_config, master, tmp_path):
     for sched, worker in reversed(made):
         worker.shutdown()
         sched.shutdown()
+
+
+def gate_gets(sched, monkeypatch):
+    """Hold every get of ``sched``'s cluster fetch lane until the returned event is set."""
+    tier, gate = sched.side.cluster.tier, threading.Event()
+    original = tier._get_and_check
+    monkeypatch.setattr(tier, "_get_and_check", lambda *a: gate.wait(10) and original(*a))
+    return gate
 
 
 def test_items_encoded_on_one_host_load_bit_exactly_on_another_without_params(hosts):
@@ -270,9 +281,7 @@ def test_a_request_with_params_on_a_host_with_both_tiers_is_pulled_not_looked_up
     """NIXL params name where the items are: the request is pulled from there, never held
     for a store lookup; and when its params are of no use, each of its misses is counted
     once, however often the same items are asked for that way."""
-    cluster = {"master": master.address, "metadata": master.metadata, "host": "127.0.0.1",
-               "segment_bytes": "16MiB", "key_file": random_key_file(str(tmp_path / "k")),
-               "fetch_timeout_s": 5}  # fmt: skip
+    cluster = cluster_config(master, random_key_file(str(tmp_path / "k")))
     made = [
         make_pair(make_config(arena_dir, "ec_producer", model_config, arena_name="host-a",
                               nixl=NIXL)),
@@ -332,9 +341,7 @@ def test_a_consumer_only_instance_s_tier_comes_back_when_the_master_does(
     """An instance that publishes nothing (ec_consumer, or ``publish: false``) has no
     publisher to ask the store again; while its tier is unavailable admission looks
     nothing up. It must still learn that the master is back (README "Faults")."""
-    cluster = {"master": master.address, "metadata": master.metadata, "host": "127.0.0.1",
-               "segment_bytes": "16MiB", "key_file": random_key_file(str(tmp_path / "k")),
-               "fetch_timeout_s": 5}  # fmt: skip
+    cluster = cluster_config(master, random_key_file(str(tmp_path / "k")))
     made = [
         make_pair(make_config(arena_dir, "ec_both", model_config, arena_name="host-a",
                               cluster=cluster)),
@@ -380,9 +387,7 @@ def test_closing_with_a_fetch_in_flight_leaves_no_reservation(hosts, monkeypatch
     (asched, aworker), (bsched, _) = hosts()
     produce(asched, aworker, "a1", IMAGES[:1])
     wait_published(asched, 1)
-    tier, gate = bsched.side.cluster.tier, threading.Event()
-    original = tier._get_and_check
-    monkeypatch.setattr(tier, "_get_and_check", lambda *a: gate.wait(10) and original(*a))
+    gate = gate_gets(bsched, monkeypatch)
     key, rows, _ = IMAGES[0]
     request = make_request("b1", [(key, rows)])
     assert not bsched.ensure_cache_available(request, 0)
@@ -433,9 +438,7 @@ def test_a_request_waiting_on_another_s_fetch_counts_its_misses_once(hosts, monk
     (asched, aworker), (bsched, _) = hosts()
     produce(asched, aworker, "a1", IMAGES[:1])
     wait_published(asched, 1)
-    tier, gate = bsched.side.cluster.tier, threading.Event()
-    original = tier._get_and_check
-    monkeypatch.setattr(tier, "_get_and_check", lambda *a: gate.wait(10) and original(*a))
+    gate = gate_gets(bsched, monkeypatch)
     key, rows, _ = IMAGES[0]
     first = make_request("b1", [(key, rows)])
     assert not bsched.ensure_cache_available(first, 0)

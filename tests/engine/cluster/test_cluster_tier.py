@@ -112,6 +112,24 @@ def fetched(tier, sizes, timeout_s=20.0, expected=None):
     return f
 
 
+def saved_and_published(cache, tier, seed):
+    """``items(seed)`` saved in ``cache`` and published by ``tier`` (all of them)."""
+    tensors = items(seed)
+    save(cache, tensors)
+    tier.publish(tensors)
+    published(tier, len(tensors))
+    return tensors
+
+
+def gate_gets(tier, monkeypatch):
+    """Hold every get of ``tier``'s fetch lane until the returned event is set."""
+    import threading
+
+    gate, original = threading.Event(), tier._get_and_check
+    monkeypatch.setattr(tier, "_get_and_check", lambda *args: gate.wait(10) and original(*args))
+    return gate
+
+
 def test_items_saved_on_one_host_load_bit_exactly_on_another(master, host, tmp_path):
     key = value.load_key(value.random_key_file(str(tmp_path / "cluster.key")))
     (a, ta), (b, tb) = host("host-a", master, key=key), host("host-b", master, key=key)
@@ -142,10 +160,7 @@ def test_items_saved_on_one_host_load_bit_exactly_on_another(master, host, tmp_p
 
 def test_other_layouts_never_meet(master, host):
     (a, ta), (_, tb) = host("host-a", master), host("host-b", master)
-    tensors = items(2)
-    save(a, tensors)
-    ta.publish(tensors)
-    published(ta, len(tensors))
+    tensors = saved_and_published(a, ta, 2)
     tb.namespace = "layout-other"
     assert tb.lookup(list(tensors)) == {}
 
@@ -224,10 +239,7 @@ def test_master_absent_at_start_serves_nothing_warns_once_and_connects_later(
 
 def test_master_killed_mid_run_misses_within_bounds_then_hits_after_restart(master, host):
     (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
-    tensors = items(5)
-    save(a, tensors)
-    ta.publish(tensors)
-    published(ta, len(tensors))
+    tensors = saved_and_published(a, ta, 5)
     sizes = tb.lookup(list(tensors))
     assert len(sizes) == len(tensors)
     free = b.catalog.stats().free_blocks
@@ -258,10 +270,7 @@ def test_master_killed_mid_run_misses_within_bounds_then_hits_after_restart(mast
 
 def test_a_key_removed_between_lookup_and_fetch_is_a_plain_miss(master, host):
     (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
-    tensors = items(6)
-    save(a, tensors)
-    ta.publish(tensors)
-    published(ta, len(tensors))
+    tensors = saved_and_published(a, ta, 6)
     sizes = tb.lookup(list(tensors))
     gone = tb.store_key("img-6")
     assert ta.client.call("fetch", lambda s: s.remove(gone, True), 5.0) == 0
@@ -341,7 +350,7 @@ def test_a_peer_holding_the_values_killed_mid_run_gives_misses_within_the_bound(
         peer.wait(10)
 
 
-# Review A: what an attacker who puts bytes in the store can do, and leaks on close.
+# What a stranger who puts bytes in the store can make of a fetch; leaks at close.
 
 
 def test_a_fetch_still_posted_at_close_leaves_no_reservation(master, host):
@@ -349,10 +358,7 @@ def test_a_fetch_still_posted_at_close_leaves_no_reservation(master, host):
     # leave that fetch's reservations WRITING in the shared arena (other instances
     # of the host keep it; only this process's exit would reap them).
     (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
-    tensors = items(11)
-    save(a, tensors)
-    ta.publish(tensors)
-    published(ta, len(tensors))
+    tensors = saved_and_published(a, ta, 11)
     sizes = tb.lookup(list(tensors))
     assert len(sizes) == len(tensors)
     f = tb.fetch(sizes)  # posted, never polled: its requests were aborted
@@ -515,16 +521,10 @@ def test_a_put_past_its_bound_keeps_its_items_pinned_until_it_returns(arena_dir)
 def test_a_fetch_past_its_bound_counts_each_of_its_items(master, host, monkeypatch):
     """cluster_fetch_failures counts items, whether a get fails for one of them or the
     whole batch passes its bound."""
-    import threading
-
     (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
-    tensors = items(13)
-    save(a, tensors)
-    ta.publish(tensors)
-    published(ta, len(tensors))
+    tensors = saved_and_published(a, ta, 13)
     sizes = tb.lookup(list(tensors))
-    gate, original = threading.Event(), tb._get_and_check
-    monkeypatch.setattr(tb, "_get_and_check", lambda *args: gate.wait(10) and original(*args))
+    gate = gate_gets(tb, monkeypatch)
     tb.fetch_timeout_s = 0.3
     try:
         f = fetched(tb, sizes)
