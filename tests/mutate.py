@@ -162,8 +162,9 @@ FRESH_PROCESS: dict[str, list[str]] = {
         "tests/connector/test_cluster_connector.py",
         "tests/connector/test_cluster_consumer.py",
     ],
+    "connector/cluster_tier.py": ["tests/connector/test_cluster_connector.py"],
 }
-FRESH_TIMEOUT = 300  # seconds for one mutant's tests (a clean run takes ~45 s here)
+FRESH_TIMEOUT = 900  # seconds for one mutant's tests (test_cluster_connector.py: ~190 s)
 APPLIED_TIMEOUT = 300  # seconds for one mutant's tests (a clean run takes ~30 s here)
 
 
@@ -314,6 +315,9 @@ MODULES: dict[str, list[str]] = {
     # (and the cluster tier's tests, outside mutmut's run: FRESH_PROCESS below)
     "connector/scheduler_side.py": CONNECTOR_TESTS,
     "connector/worker_side.py": [*CONNECTOR_TESTS, "tests/connector/test_memory_safety_worker.py"],
+    # the cluster tier's admission and hold, on a scripted tier (and with a real master
+    # and two hosts, outside mutmut's run: FRESH_PROCESS above)
+    "connector/cluster_tier.py": ["tests/connector/test_cluster_consumer.py"],
     # the modules of issue 22's split (arena.py, shared_catalog.py before it)
     **{f"engine/{name}.py": arena_tests(name) for name in ARENA_MODULES},
     "engine/arena/janitor.py": JANITOR_TESTS,
