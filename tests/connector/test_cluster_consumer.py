@@ -23,29 +23,39 @@ BOUND_S = 0.4
 
 
 class ScriptedTier:
-    """Every key is in the store; each fetch's future is completed by the test."""
+    """Every key but those in ``absent`` is in the store; each fetch's future is
+    completed by the test. Records what it was asked."""
 
     available = True
 
     def __init__(self, *_, **__) -> None:
         self.futures: list[cf.Future] = []
+        self.fetches: list[ClusterFetch] = []
+        self.lookups: list[list[str]] = []
+        self.expected: list[dict] = []
+        self.absent: set[str] = set()
 
     def step(self) -> None:
         pass
 
     def lookup(self, keys):
-        return dict.fromkeys(keys, 64)
+        self.lookups.append(list(keys))
+        time.sleep(0.002)  # an RPC: the hold log's lookup start and end differ
+        return {k: 64 for k in keys if k not in self.absent}
 
     def fetch(self, sizes, expected=None):
         f = ClusterFetch(deadline=time.monotonic() + 60.0, future=cf.Future())
         f.reserved = {k: (1, [(0, 1)], n) for k, n in sizes.items()}
         f.times["posted"] = time.monotonic()
         self.futures.append(f.future)  # type: ignore[arg-type]
+        self.fetches.append(f)
+        self.expected.append(dict(expected or {}))
         return f
 
     def poll(self, f):
         if f.state == "pending" and f.future.done():
             f.fetched, f.reserved, f.state = set(f.reserved), {}, "done"
+            f.times["committed"] = time.monotonic()
         return f.state
 
 
@@ -57,14 +67,21 @@ def consumer(monkeypatch):
     config = ClusterConfig(master="127.0.0.1:1", metadata="http://127.0.0.1:2/metadata",
                            host="127.0.0.1")  # fmt: skip
     return cluster_tier.ClusterConsumer(None, None, config, layout="l", publish=False,  # type: ignore[arg-type]
-                                        item_bytes=lambda modality, rows: None)  # fmt: skip
+                                        item_bytes=item_bytes)  # fmt: skip
 
 
-def request(rid, key):
-    pos = SimpleNamespace(offset=0, length=4)
-    feature = SimpleNamespace(identifier=key, mm_position=pos, modality="image")
-    return SimpleNamespace(request_id=rid, mm_features=[feature],
-                           get_num_encoder_embeds=lambda index: 4)  # fmt: skip
+def item_bytes(modality, rows):
+    """The scheduler's sizes here: 100 bytes a row for images, audio's unknown."""
+    return rows * 100 if modality == "image" else None
+
+
+def request(rid, *keys, modalities=("image", "audio")):
+    """Item i of ``keys`` takes tokens 10 i .. 10 i + 4 and has 4 + i rows."""
+    features = [SimpleNamespace(identifier=key, modality=modalities[i % len(modalities)],
+                                mm_position=SimpleNamespace(offset=10 * i, length=4))
+                for i, key in enumerate(keys)]  # fmt: skip
+    return SimpleNamespace(request_id=rid, mm_features=features,
+                           get_num_encoder_embeds=lambda index: 4 + index)  # fmt: skip
 
 
 def held(consumer, rid="r1", key="img"):
@@ -175,3 +192,125 @@ def test_a_request_admitted_after_a_fetch_logs_its_hold_once(consumer, caplog):
     posted, admitted = (float(message.split(word)[1].split()[0].rstrip(",")) for word in
                         ("fetch posted ", "admitted "))  # fmt: skip
     assert 0 <= posted <= admitted, message
+
+
+def never_local(key):
+    return False
+
+
+def test_each_miss_is_looked_up_once_with_its_rows_and_size(consumer):
+    from ecoffload.engine.cluster.tier import Expected
+
+    r = request("r1", "a", "b", "c")
+    assert not consumer.admit(r, 0, never_local)
+    assert not consumer.admit(r, 0, never_local)  # asked again before the step: noted once
+    consumer.step()
+    assert consumer.tier.lookups == [["a", "b", "c"]]  # ONE lookup, each key once
+    # rows from vLLM's count per item; size = rows x bytes per row where the scheduler
+    # knows them (audio's: unknown)
+    assert consumer.tier.expected == [{"a": Expected(4, 400), "b": Expected(5, None),
+                                       "c": Expected(6, 600)}]  # fmt: skip
+
+
+def test_items_already_computed_are_neither_looked_up_nor_waited_for(consumer):
+    first = held(consumer, "r1", "a")  # a fetch of "a" in flight
+    assert consumer._inflight.keys() == {"a"}
+    consumer.step()  # still in flight after another step
+    assert consumer._inflight.keys() == {"a"}
+    again = request("r2", "a", "b", "c")
+    assert not consumer.admit(again, 0, never_local)  # waits for r1's fetch of "a": no note
+    assert "r2" not in consumer._asked
+    assert not consumer.admit(again, 4, never_local)  # "a" computed (tokens 0-4): "b", "c"
+    consumer.step()
+    assert consumer.tier.lookups[-1] == ["b", "c"]
+    late = request("r3", "x", "y", "z")
+    assert not consumer.admit(late, 3, never_local)  # "x" not yet computed
+    consumer.step()
+    assert consumer.tier.lookups[-1] == ["x", "y", "z"]
+    assert consumer.admit(request("r4", "p", "q"), 14, never_local)  # all computed: admitted
+    assert first.request_id in consumer._fetching
+
+
+def test_a_request_admitted_once_is_never_held_again_until_forgotten(consumer):
+    """vLLM asks again each step while a request runs (its chunked prefill): its items
+    were settled when it was admitted."""
+    consumer.tier.absent = {"a"}
+    r = request("r1", "a")
+    assert not consumer.admit(r, 0, never_local)
+    consumer.step()  # the lookup finds nothing: admitted, to encode "a"
+    assert consumer.admit(r, 0, never_local)
+    lookups = len(consumer.tier.lookups)
+    assert consumer.admit(r, 2, never_local)  # the next chunk: not held, not looked up
+    consumer.step()
+    assert len(consumer.tier.lookups) == lookups
+    local = request("r2", "b")
+    assert consumer.admit(local, 0, lambda k: True)  # all local: admitted at once
+    assert consumer.admit(local, 0, never_local)  # and not held later
+    consumer.forget("r1")  # finished: a request of that id is a new one
+    assert not consumer.admit(r, 0, never_local)
+
+
+def test_forgetting_a_request_leaves_no_record_of_it(consumer):
+    held(consumer, "r1", "a")
+    assert not consumer.admit(request("r2", "b"), 0, never_local)
+    consumer.tier.absent = {"c"}
+    assert not consumer.admit(request("r3", "c"), 0, never_local)
+    consumer.step()  # r3's lookup found nothing: ready
+    assert consumer.admit(request("r4", "d"), 0, lambda k: True)  # admitted
+    for rid in ("r1", "r2", "r3", "r4"):
+        consumer.forget(rid)
+    records = (consumer._asked, consumer._fetching, consumer._ready, consumer._holds,
+               consumer._hold_fetch, consumer._admitted)  # fmt: skip
+    assert not any(records), records
+
+
+def test_a_fetch_whose_request_went_is_still_polled_to_its_end(consumer):
+    """Its items are committed (and its reservations settled) though nobody waits."""
+    held(consumer, "r1", "a")
+    consumer.forget("r1")
+    consumer.step()  # polled: still pending
+    (f,) = consumer.tier.fetches
+    f.future.set_result([])
+    consumer.step()
+    assert f.state == "done" and consumer._fetches == [] and consumer._inflight == {}
+
+
+def test_step_waits_for_the_first_of_several_fetches(consumer):
+    held(consumer, "r1", "a")
+    held(consumer, "r2", "b")
+    first, _ = consumer.tier.futures
+    threading.Timer(0.05, first.set_result, ([],)).start()
+    took = timed_step(consumer)
+    assert 0.04 <= took < BOUND_S * 0.75, took
+    assert consumer._ready == {"r1"} and "r2" in consumer._fetching
+
+
+def test_the_hold_log_gives_each_phase_in_order(consumer, caplog):
+    import re
+
+    caplog.set_level("INFO", logger="vllm.ecoffload_cluster_hold")
+    r = request("r1", "a")
+    assert not consumer.admit(r, 0, never_local)
+    time.sleep(0.002)
+    consumer.step()  # lookup (2 ms), fetch posted
+    (f,) = consumer.tier.fetches
+    for phase in ("started", "got", "checked"):
+        time.sleep(0.002)
+        f.times[phase] = time.monotonic()
+    f.future.set_result([])
+    time.sleep(0.002)
+    consumer.step()  # committed
+    time.sleep(0.002)
+    assert consumer.admit(r, 0, never_local)
+    (record,) = caplog.records
+    message = record.getMessage()
+    numbers = re.findall(r"(?<=[\s-])-?\d+\.\d+|\(\d+ steps\)", message)  # "a-b": a range
+    assert len(numbers) == 9 and numbers[-1] == "(2 steps)", message
+    ms = [float(n) for n in numbers[:-1]]
+    # lookup start, end, posted, get start, end, checked, committed, admitted, in ms
+    # after the admission noted r1: in order, each but "posted" (at once after the
+    # lookup) at least the ~2 ms slept or spent before it
+    gaps = [b - a for a, b in zip(ms, ms[1:], strict=False)]
+    assert gaps[1] >= 0 and all(g >= 1.5 for i, g in enumerate(gaps) if i != 1), message
+    assert 1.5 <= ms[0] < ms[-1] < 1000, message
+    assert message.startswith("ecoffload: cluster hold of r1, ms after admission noted it")
