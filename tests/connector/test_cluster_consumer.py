@@ -34,6 +34,7 @@ class ScriptedTier:
         self.lookups: list[list[str]] = []
         self.expected: list[dict] = []
         self.absent: set[str] = set()
+        self.published: list[list[str]] = []
 
     def step(self) -> None:
         pass
@@ -51,6 +52,9 @@ class ScriptedTier:
         self.fetches.append(f)
         self.expected.append(dict(expected or {}))
         return f
+
+    def publish(self, keys):
+        self.published.append(list(keys))
 
     def poll(self, f):
         if f.state == "pending" and f.future.done():
@@ -154,6 +158,7 @@ def test_step_proceeds_as_soon_as_the_fetch_completes(consumer):
     assert 0.04 <= took < BOUND_S * 0.75, took
     admitted, took = timed(consumer.admit, r, 0, lambda k: False)
     assert admitted and took < BOUND_S / 4  # committed by the step: admitted, no wait
+    assert consumer._ready == set() and consumer._fetching == {}
 
 
 def test_step_without_a_held_request_does_not_wait(consumer):
@@ -210,6 +215,23 @@ def test_each_miss_is_looked_up_once_with_its_rows_and_size(consumer):
     # knows them (audio's: unknown)
     assert consumer.tier.expected == [{"a": Expected(4, 400), "b": Expected(5, None),
                                        "c": Expected(6, 600)}]  # fmt: skip
+    assert not consumer.admit(request("r2", "p", "q", "s"), 0, lambda k: k == "q")
+    consumer.step()
+    assert consumer.tier.lookups[-1] == ["p", "s"]  # "q" is local: never looked up
+
+
+def test_a_request_whose_items_all_missed_is_not_held_for_another_s_fetch(consumer):
+    consumer.tier.absent = {"z"}
+    assert not consumer.admit(request("r1", "a"), 0, never_local)
+    assert not consumer.admit(request("r2", "z"), 0, never_local)
+    consumer.step()  # one lookup for both: "a" found (fetched), "z" not
+    assert consumer._ready == {"r2"} and set(consumer._fetching) == {"r1"}
+
+
+def test_publish_hands_the_saved_keys_to_the_tier(consumer):
+    consumer.publish([])
+    consumer.publish(["a", "b"])
+    assert consumer.tier.published == [["a", "b"]]
 
 
 def test_items_already_computed_are_neither_looked_up_nor_waited_for(consumer):
@@ -257,7 +279,8 @@ def test_forgetting_a_request_leaves_no_record_of_it(consumer):
     assert not consumer.admit(request("r3", "c"), 0, never_local)
     consumer.step()  # r3's lookup found nothing: ready
     assert consumer.admit(request("r4", "d"), 0, lambda k: True)  # admitted
-    for rid in ("r1", "r2", "r3", "r4"):
+    assert not consumer.admit(request("r5", "e"), 0, never_local)  # noted, not looked up
+    for rid in ("r1", "r2", "r3", "r4", "r5"):
         consumer.forget(rid)
     records = (consumer._asked, consumer._fetching, consumer._ready, consumer._holds,
                consumer._hold_fetch, consumer._admitted)  # fmt: skip
@@ -314,3 +337,61 @@ def test_the_hold_log_gives_each_phase_in_order(consumer, caplog):
     assert gaps[1] >= 0 and all(g >= 1.5 for i, g in enumerate(gaps) if i != 1), message
     assert 1.5 <= ms[0] < ms[-1] < 1000, message
     assert message.startswith("ecoffload: cluster hold of r1, ms after admission noted it")
+
+
+@pytest.mark.parametrize(
+    ("host", "publish", "config_publish"),
+    [("10.0.0.2", True, True), (None, True, False), (None, False, True)],
+)
+def test_the_config_reaches_the_store_client_and_the_tier(monkeypatch, tmp_path, host, publish,
+                                                          config_publish):  # fmt: skip
+    """Each key of ``cluster`` where it acts: the client's settings (its host, where
+    unset, this host's outward address), the tier's namespace, key, bounds and queue;
+    publishing only where the instance saves and the config allows."""
+    from ecoffload.engine.cluster.store import StoreSettings
+    from ecoffload.engine.cluster.value import load_key, random_key_file
+
+    made = {}
+
+    class RecordingTier(ScriptedTier):
+        def __init__(self, arena, catalog, client, **kw):
+            made["tier"] = (arena, catalog, client, kw)
+            super().__init__()
+
+    monkeypatch.setattr(cluster_tier, "ClusterTier", RecordingTier)
+    monkeypatch.setattr(cluster_tier, "StoreClient", lambda settings: ("client", settings))
+    monkeypatch.setattr(cluster_tier, "outward_ip", lambda: "10.9.8.7")
+    key = random_key_file(str(tmp_path / "cluster.key"))
+    config = ClusterConfig.from_value({
+        "master": "10.0.0.1:50051", "metadata": "http://10.0.0.1:8080/metadata", "host": host,
+        "segment_bytes": "32MiB", "key_file": key, "fetch_timeout_s": 3, "publish": config_publish,
+        "publish_queue": 7,
+    })  # fmt: skip
+    assert config is not None
+    consumer = cluster_tier.ClusterConsumer("arena", "catalog", config, layout="lay",  # type: ignore[arg-type]
+                                            publish=publish, item_bytes=item_bytes)  # fmt: skip
+    arena, catalog, client, kw = made["tier"]
+    assert (arena, catalog) == ("arena", "catalog") and isinstance(consumer.tier, RecordingTier)
+    assert client == ("client", StoreSettings(master="10.0.0.1:50051",
+                                              metadata="http://10.0.0.1:8080/metadata",
+                                              host=host or "10.9.8.7", protocol="tcp",
+                                              segment_bytes=32 << 20))  # fmt: skip
+    assert kw == {"namespace": "lay", "key": load_key(key), "fetch_timeout_s": 3,
+                  "publish": publish and config_publish, "queue_items": 7}  # fmt: skip
+    assert consumer.catalog == "catalog"
+
+
+def test_without_a_key_file_values_carry_no_mac(monkeypatch):
+    made = {}
+
+    def tier(*args, **kw):
+        made["kw"] = kw
+        return ScriptedTier()
+
+    monkeypatch.setattr(cluster_tier, "ClusterTier", tier)
+    monkeypatch.setattr(cluster_tier, "StoreClient", lambda settings: None)
+    config = ClusterConfig(master="127.0.0.1:1", metadata="http://127.0.0.1:2/metadata",
+                           host="127.0.0.1")  # fmt: skip
+    cluster_tier.ClusterConsumer(None, None, config, layout="l", publish=True,  # type: ignore[arg-type]
+                                 item_bytes=item_bytes)  # fmt: skip
+    assert made["kw"]["key"] is None
