@@ -14,10 +14,11 @@ Per step, on the scheduler's thread::
                                    step's bound below), and a fetch that has
                                    ended is polled (its items committed) here,
                                    so r is admitted in this step, not the next
-    build_connector_meta()      -> step(): unpins what the publisher finished;
-                                   advances fetches; then ONE batched lookup of
-                                   every item noted this step, and ONE batched
-                                   get of the hits into reserved arena blocks
+    build_connector_meta()      -> step(): the tier's step (unpins what the
+                                   publisher finished, polls every pending
+                                   fetch); then ONE batched lookup of every
+                                   item noted this step, and ONE batched get of
+                                   the hits into reserved arena blocks
     update_connector_output()   -> publish(report.saved): the worker committed
                                    them; the tier puts them asynchronously
 
@@ -96,7 +97,6 @@ class ClusterConsumer:
         self._item_bytes = item_bytes
         self._asked: dict[str, dict[str, Expected]] = {}  # request -> its local misses, this step
         self._fetching: dict[str, ClusterFetch] = {}  # request -> the fetch bringing its items
-        self._fetches: list[ClusterFetch] = []  # pending, whether or not a request waits
         self._inflight: dict[str, ClusterFetch] = {}  # key -> the fetch bringing it
         self._ready: set[str] = set()  # requests whose lookup or fetch ended
         self._holds: dict[str, dict[str, float]] = {}  # request -> monotonic times, steps
@@ -187,10 +187,8 @@ class ClusterConsumer:
         if self._fetching:
             self._yield([f.future for f in self._fetching.values() if f.future is not None])
         self._yield_until = None  # the next admission belongs to the next step
-        tier.step()
-        if self._fetches:  # (each test first: most steps have nothing in flight)
-            self._fetches = [f for f in self._fetches if tier.poll(f) == "pending"]
-        if self._fetching:
+        tier.step()  # polls every pending fetch, whether or not a request waits on it
+        if self._fetching:  # (each test first: most steps have nothing in flight)
             for rid, f in list(self._fetching.items()):
                 if f.state != "pending":
                     del self._fetching[rid]
@@ -219,7 +217,6 @@ class ClusterConsumer:
             else:
                 self._ready.add(rid)
         if f.state == "pending":
-            self._fetches.append(f)
             self._inflight.update(dict.fromkeys(f.reserved, f))
 
     def publish(self, keys: list[str]) -> None:

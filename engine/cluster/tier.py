@@ -24,7 +24,9 @@ scheduler; Mooncake calls run on :class:`~.store.StoreClient`'s lanes)::
                                            skips keys the store already holds and
                                            puts the others from their extents
     tier.step() once per step              unpins what the publisher finished,
-                                           releases settled abandoned fetches
+                                           polls every fetch still pending (its
+                                           requests may have gone), releases
+                                           settled abandoned fetches
 
 Names: ``ecoffload/<namespace>/<item key>``; the namespace is the layout key's
 hash (model, dtype), so other models never meet. Values: :mod:`.value`.
@@ -453,6 +455,8 @@ class ClusterTier:
                 done.append(self._to_unpin.popleft())
             with contextlib.suppress(CatalogError):
                 self.catalog.unpin_many(done)
+        if self._posted:  # each fetch is polled to its end, whether or not anyone waits
+            self._posted = [f for f in self._posted if self.poll(f) == "pending"]
         if self._unsettled:
             still = []
             for f in self._unsettled:
@@ -462,8 +466,6 @@ class ClusterTier:
                 else:
                     still.append(f)
             self._unsettled = still
-        if self._posted:
-            self._posted = [f for f in self._posted if f.state == "pending"]
 
     def idle(self) -> bool:
         """True when nothing is queued, being published or waiting to be unpinned."""

@@ -533,3 +533,18 @@ def test_a_fetch_past_its_bound_counts_each_of_its_items(master, host, monkeypat
     finally:
         gate.set()
     assert not [k for k in tensors if k in b.catalog and b.catalog.state(k).name == "READY"]
+
+
+def test_a_fetch_nobody_polls_is_committed_by_the_tier_s_step(master, host):
+    """Its requests went (aborted, finished): the fetch still ends, its items committed
+    and nothing left reserved, by the step alone."""
+    (a, ta), (b, tb) = host("host-a", master), host("host-b", master)
+    tensors = saved_and_published(a, ta, 14)
+    f = tb.fetch(tb.lookup(list(tensors)))
+    deadline = time.monotonic() + 20
+    while f.state == "pending":
+        assert time.monotonic() < deadline, "the step never ended the fetch"
+        tb.step()
+        time.sleep(0.005)
+    assert f.state == "done" and f.fetched == set(tensors) and not tb._posted
+    assert all(b.catalog.state(k).name == "READY" for k in tensors)
